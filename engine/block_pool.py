@@ -1,0 +1,155 @@
+"""Physical KV blocks: ref counts, an LRU free queue and the prefix-cache hash map.
+
+Keys are SHA-256 chains: hash(parent_hash, token_ids, extra) from a root derived from the
+model fingerprint. They are identical in every process and on every machine, so the device
+prefix cache, the KV stores and the transfer protocol can share them. Never Python's hash().
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from engine.request import Request
+
+KV_HASH_VERSION = b"engine-kv-hash/v1"
+
+
+def root_block_hash(fingerprint: str) -> bytes:
+    """The parent hash of every first block. Changes with the model, dtype and block size."""
+    return hashlib.sha256(KV_HASH_VERSION + b"|" + fingerprint.encode()).digest()
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: list[int] | tuple[int, ...], extra: bytes = b"") -> bytes:
+    payload = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.sha256(parent_hash + payload + extra).digest()
+
+
+class BlockHasher:
+    """Appends the hash of every newly full block of a request (computed once each)."""
+
+    def __init__(self, block_size: int, root_hash: bytes) -> None:
+        self.block_size = block_size
+        self.root_hash = root_hash
+
+    def __call__(self, request: Request) -> None:
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else self.root_hash
+            hashes.append(hash_block_tokens(parent, tokens[start:start + bs]))
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Set while the block holds a full, cached block of tokens; cleared when it is reused.
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """All blocks of the device KV cache.
+
+    A block is in exactly one of three states: in use (ref_cnt > 0), free and cached
+    (ref_cnt == 0, hash set: a prefix hit can revive it), or free and empty. Free blocks sit
+    in ``free_queue`` in eviction order: empty ones at the front, cached ones behind them in
+    least-recently-freed order. Eviction is lazy: a cached block loses its hash only when it
+    is handed out again.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 on_evict: Callable[[bytes, int], None] | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, KVCacheBlock] = {}
+        # Called with (hash, block_id) just before a cached block is overwritten.
+        self.on_evict = on_evict
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, reviving free cached ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > len(self.free_queue):
+            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self.free_queue)} free")
+        out = []
+        for _ in range(num_blocks):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        if self.cached.get(block_hash) is block:
+            del self.cached[block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block_hash, block.block_id)
+        block.block_hash = None
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each. ``blocks`` is in eviction order (evict first, first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block.block_id, last=False)
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes],
+                          start: int, end: int) -> None:
+        """Register blocks[start:end] under their hashes. A hash already cached elsewhere
+        (the same prefix computed twice concurrently) keeps its first block."""
+        if not self.enable_caching:
+            return
+        for i in range(start, end):
+            block = blocks[i]
+            if block.block_hash is not None:
+                continue
+            block_hash = block_hashes[i]
+            if block_hash in self.cached:
+                continue
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the hashes of blocks whose content is not valid (a failed KV load)."""
+        for block in blocks:
+            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.cached.values()):
+            self._evict(block)

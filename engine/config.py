@@ -1,0 +1,108 @@
+"""Engine configuration: plain dataclasses, validated on creation."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int or a string such as "2GiB", "512MB" or "1e9"."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"not a size: {value!r} (use e.g. 2GiB, 512MiB or a byte count)")
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Exactly one of the two sizes the pool; neither means the device default.
+    num_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive integer, got {self.num_blocks!r}")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("num_blocks and kv_cache_memory are exclusive: give one of them")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # max_model_len is resolved against the model by EngineConfig.
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class KVTransferConfig:
+    """Which connector moves KV in and out of this instance (see engine/kv_transfer)."""
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int | None = None
+    kv_load_failure_policy: str = "recompute"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"kv_load_failure_policy must be recompute or fail, got {self.kv_load_failure_policy!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    attention_backend: str = "auto"
+    kv_transfer_config: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        self.cache = CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching)
+        self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)

@@ -1,0 +1,75 @@
+"""The connector seam: how KV enters and leaves an instance.
+
+A connector has two halves built by role. The scheduler half decides and is called at
+exactly four points (match, after allocation, build metadata, request finished); the worker
+half moves bytes and never decides. Without a configured connector the engine holds the
+no-op connector, so neither side has ``if connector`` branches.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from engine.outputs import KVConnectorOutput, SchedulerOutput
+from engine.request import Request
+
+
+class KVConnectorScheduler(ABC):
+    """Scheduler half. Never touches tensors or sockets."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """How many tokens after ``num_computed_tokens`` can be supplied from outside, and
+        whether loading them is asynchronous (the request then waits in
+        WAITING_FOR_REMOTE_KV). Must have no side effects: the allocation may still fail."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Blocks for the external tokens were allocated; remember to fill them."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """Once per step: what the worker half must load or save. Resets per-step state."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """A request finished. Returns (hold the blocks until the worker reports the send
+        done, kv_transfer_params to hand back to the client or proxy)."""
+
+
+class KVConnectorWorker(ABC):
+    """Worker half: moves bytes between the paged KV tensors and the outside."""
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        """Called once with the paged KV tensors after they are allocated."""
+
+    def start_load_kv(self, metadata: Any) -> None:
+        """Before the forward pass: start or finish loads the metadata asks for."""
+
+    def save_kv(self, metadata: Any) -> None:
+        """After the forward pass: start saves the metadata asks for."""
+
+    def get_finished(self) -> KVConnectorOutput:
+        """Transfers that completed (or failed) since the last call."""
+        return KVConnectorOutput()
+
+    def shutdown(self) -> None:
+        pass
+
+
+class NoOpConnectorScheduler(KVConnectorScheduler):
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        return None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return False, None
+
+
+class NoOpConnectorWorker(KVConnectorWorker):
+    pass

@@ -1,0 +1,246 @@
+"""LLMEngine: tokenizer + scheduler + model runner. A step is three calls:
+schedule() -> execute_model() -> update_from_output(), then detokenization and stop strings."""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from engine.block_pool import BlockHasher, root_block_hash
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.worker import loader
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("engine")
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output carries the whole text so far
+    DELTA = "delta"            # only what is new since the last output (streaming)
+    FINAL_ONLY = "final"       # one output when the request is done
+
+
+@dataclass
+class _Child:
+    """One of the n sequences of a request."""
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: OutputKind
+    children: dict[str, _Child]
+    arrival_time: float
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = loader.resolve_model(config.model)
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+        hf_config = loader.load_hf_config(model_dir)
+        self.eos_token_ids = self._eos_token_ids(hf_config, loader.load_generation_config(model_dir))
+        model_max = hf_config.get("max_position_embeddings", 2048)
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's "
+                             f"max_position_embeddings={model_max}")
+        self.max_model_len = config.max_model_len or model_max
+        self.vocab_size = hf_config["vocab_size"]
+
+        self.runner = ModelRunner(config, model_dir, self.eos_token_ids)
+        self.fingerprint = (f"{loader.model_fingerprint(model_dir)}:{self.runner.dtype}:"
+                            f"bs{config.block_size}:{self.runner.backend.name}")
+        self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if pool_tokens < self.max_model_len:
+            logger.warning("the KV pool holds %d tokens, less than max_model_len=%d: longer requests are "
+                           "rejected", pool_tokens, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks, config.block_size,
+                    self.runner.num_blocks * self.runner.bytes_per_block / 2**30)
+        self._states: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, str] = {}
+
+    def _eos_token_ids(self, hf_config: dict, gen_config: dict) -> frozenset[int]:
+        ids: set[int] = set()
+        for value in (gen_config.get("eos_token_id"), hf_config.get("eos_token_id"), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(value)
+        return frozenset(ids)
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Checks a prompt against the model and the pool; returns the resolved max_tokens."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is out of vocabulary (size {self.vocab_size})", "prompt")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"contains {num_prompt} input tokens, leaving no room for output.", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{max_tokens} output tokens and your prompt contains {num_prompt} input tokens, for a total of "
+                f"{num_prompt + max_tokens} tokens.", "max_tokens")
+        kv = self.kv_cache_manager
+        needed = kv.blocks_needed(num_prompt + max_tokens - 1)
+        if needed > kv.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} max tokens) but the whole "
+                f"KV pool has {kv.num_blocks} blocks of {kv.block_size} tokens", "max_tokens")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    kind: OutputKind = OutputKind.FINAL_ONLY, arrival_time: float | None = None,
+                    kv_transfer_params: dict | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError (a ValueError) for a bad one; then
+        nothing was queued."""
+        if request_id in self._states:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        prompt_text, prompt_token_ids = self.tokenize(prompt)
+        max_tokens = self.validate(prompt_token_ids, params)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        children: dict[str, _Child] = {}
+        tokenizer = self.tokenizer._tokenizer
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            # The n samples differ through their seeds; a seeded request stays reproducible.
+            child_params = params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + index)
+            children[child_id] = _Child(index, IncrementalDetokenizer(tokenizer, prompt_token_ids, child_params),
+                                        logprobs=[] if params.logprobs is not None else None,
+                                        cumulative_logprob=0.0 if params.logprobs is not None else None)
+            self._child_to_parent[child_id] = request_id
+            self.scheduler.add_request(Request(
+                child_id, prompt_token_ids, child_params, self.eos_token_ids, max_tokens,
+                self.block_hasher, arrival_time, kv_transfer_params))
+        self._states[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, kind, children,
+                                                  arrival_time)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests (by the id given to add_request); their blocks are freed now."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self._states.pop(request_id, None)
+            if state is None:
+                continue
+            for child_id in state.children:
+                self._child_to_parent.pop(child_id, None)
+            self.scheduler.finish_requests(list(state.children), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states) or self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._process_outputs(core_outputs)
+
+    def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        touched: dict[str, _RequestState] = {}
+        for out in core_outputs:
+            parent_id = self._child_to_parent.get(out.req_id)
+            state = self._states.get(parent_id) if parent_id is not None else None
+            if state is None:
+                continue  # aborted meanwhile
+            child = state.children[out.req_id]
+            self._apply(state, child, out)
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            finished = state.finished
+            if state.kind is not OutputKind.FINAL_ONLY or finished:
+                results.append(self._make_output(state, finished))
+            if finished:
+                del self._states[state.request_id]
+                for child_id in state.children:
+                    self._child_to_parent.pop(child_id, None)
+        return results
+
+    def _apply(self, state: _RequestState, child: _Child, out: EngineCoreOutput) -> None:
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            state.kv_transfer_params = out.kv_transfer_params
+        if out.error is not None:
+            state.error = out.error
+        child.token_ids.extend(out.new_token_ids)
+        child.new_token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and child.logprobs is not None:
+            for entries in out.new_logprobs:
+                decoded = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
+                child.logprobs.append(decoded)
+                child.new_logprobs.append(decoded)
+                child.cumulative_logprob += entries[0][1]
+        matched = child.detok.update(out.new_token_ids)
+        if matched is not None and out.finish_reason is None:
+            # A stop string ends the request here; the scheduler frees it now.
+            self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
+            child.finish_reason, child.stop_reason = "stop", matched
+        elif out.finish_reason is not None:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            if matched is not None:
+                child.stop_reason = matched
+
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        outputs = []
+        for child in state.children.values():
+            delta = state.kind is OutputKind.DELTA
+            delta_text = child.detok.next_delta(child.finish_reason is not None)
+            text = delta_text if delta else child.detok.sent_text
+            if delta and not child.new_token_ids and not text and child.finish_reason is None:
+                continue
+            outputs.append(CompletionOutput(
+                child.index, text, list(child.new_token_ids if delta else child.token_ids),
+                child.finish_reason, child.stop_reason,
+                list(child.new_logprobs) if delta and child.logprobs is not None else child.logprobs,
+                child.cumulative_logprob))
+            child.new_token_ids.clear()
+            child.new_logprobs.clear()
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
+                             state.num_cached_tokens, state.kv_transfer_params, state.error)

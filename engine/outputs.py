@@ -1,0 +1,105 @@
+"""The only types that cross between scheduler, worker and user. No Request objects and no
+device tensors cross the scheduler/worker boundary: one dataclass each way."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+# (token_id, logprob, rank) with the sampled token first, then the top-k.
+TokenLogprobs = list[tuple[int, float, int]]
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has no state for: first schedule, or resumed after preemption."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the worker already knows: only what changed (column lists)."""
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step, starting at the request's num_computed_tokens.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose worker state must be dropped before this step (finished or preempted).
+    finished_req_ids: set[str]
+    kv_connector_metadata: Any = None
+
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # One token per request that reached the end of its known tokens this step; requests in
+    # the middle of a chunked prefill are absent.
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one scheduler step produced for one request."""
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+    error: str | None = None

@@ -1,0 +1,108 @@
+"""A request as the scheduler sees it: token ids, one computed-token counter, block hashes."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Callable
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything after PREEMPTED is finished."""
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Scheduler-side state of one sequence. Never crosses to the worker.
+
+    Invariant: ``num_computed_tokens <= num_tokens``; the request is done computing its
+    prompt once the counter reaches ``num_prompt_tokens``. Chunked prefill, prefix hits,
+    loaded KV and preemption are all edits of that one counter.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        max_tokens: int,
+        block_hasher: Callable[["Request"], None] | None = None,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens  # resolved: never None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.kv_transfer_params = kv_transfer_params
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served from a cache (device prefix cache or a connector) at first schedule.
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            block_hasher(self)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self._block_hasher is not None:
+            self._block_hasher(self)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the last sampled token implies, or None to keep going."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if last in self.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,159 @@
+"""Per-request sampling parameters, named and defaulted like vLLM's.
+
+Every field is checked in `__post_init__`; a bad value raises `ValueError` whose message
+starts with the field name, so the API server can turn it into a 400 with `param` set.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+MAX_LOGPROBS = 20
+# Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
+GREEDY_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `max_tokens=True` is a client bug, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_float(name: str, value: object) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1 on input) means off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # always list[str] after __post_init__
+    stop_token_ids: list[int] | None = None  # always list[int] after __post_init__
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: off; 0: only the sampled token's logprob
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n, 1)
+
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an int, got {type(self.top_k).__name__} {self.top_k!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _check_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        # Always builds a new list, so replace()/clone() never share it with the original.
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain empty strings")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
+        return list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A validated copy with `changes` applied; lists are never shared with `self`."""
+        return dataclasses.replace(self, **changes)
+
+    def clone(self) -> "SamplingParams":
+        return self.replace()

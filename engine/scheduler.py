@@ -1,0 +1,240 @@
+"""Continuous-batching scheduler: one token budget per step, running requests first.
+
+There are no prefill and decode phases. Every request has one counter, num_computed_tokens,
+that catches up with its token count; a step schedules ``num_tokens - num_computed_tokens``
+tokens (or a chunk of them) per request, so prefill chunks and decode tokens share a batch.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_transfer.base import KVConnectorScheduler, NoOpConnectorScheduler
+from engine.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                            NewRequestData, SchedulerOutput)
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger("engine.scheduler")
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_rejected: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 connector: KVConnectorScheduler | None = None) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv = kv_cache_manager
+        self.connector = connector or NoOpConnectorScheduler()
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished or preempted since the last schedule(): the worker drops their state.
+        self._finished_req_ids: set[str] = set()
+        # Finished requests whose blocks stay allocated while the connector still reads them.
+        self.held: dict[str, Request] = {}
+        # Outputs produced outside a model step (rejections), delivered with the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.stats = SchedulerStats()
+
+    # ---- admission -------------------------------------------------------------------
+    def max_request_tokens(self) -> int:
+        return min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        # The KV of the last sampled token is never computed, hence the -1.
+        needed = self.kv.blocks_needed(request.num_prompt_tokens + request.max_tokens - 1)
+        if needed > self.kv.num_blocks:
+            # It could never run, even alone: finish it now instead of preempting forever.
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = (f"request needs {needed} KV blocks ({request.num_prompt_tokens} prompt + "
+                             f"{request.max_tokens} max tokens) but the whole KV pool has {self.kv.num_blocks}")
+            self.stats.num_rejected += 1
+            self._pending_outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason="error", error=request.error))
+            return
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
+        """End requests from outside a step (abort, a stop string). Unknown ids are ignored."""
+        assert status.is_finished
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for req_id in ids:
+            request = self.requests.get(req_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted = False
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            i += 1
+
+        # 2. Waiting requests, in order, while there is room. Not after a preemption: the
+        # preempted requests are at the front of the queue and the pool is full anyway.
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                skipped.append(self.waiting.popleft())
+                continue
+            computed_blocks, num_local = self.kv.get_computed_blocks(request)
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            num_computed = num_local + num_external
+            num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_external,
+                                                   delay_caching=load_async)
+            if new_block_ids is None:
+                break  # wait for memory; never jump the queue
+            self.waiting.popleft()
+            block_ids = self.kv.get_block_ids(request.request_id)
+            self.connector.update_state_after_alloc(request, block_ids, num_external)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                skipped.append(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, block_ids, num_computed))
+        self.waiting.extendleft(reversed(skipped))
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+        )
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self._finished_req_ids = set()
+        # Advance the counters now so the next step can be planned before results return.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-based preemption: free everything, go back to the front of the queue."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._finished_req_ids.add(request.request_id)
+        self.waiting.appendleft(request)
+        logger.warning("preempted request %s (total preemptions: %d); KV pool too small for the running set",
+                       request.request_id, self.stats.num_preemptions)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        finished_ids: set[str] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            token = runner_output.sampled_token_ids.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING or token is None:
+                continue  # ended during the step, or still in the middle of its prefill
+            request.append_output_token_id(token)
+            status = request.check_stop(self.max_model_len)
+            kv_transfer_params = None
+            if status is not None:
+                request.status = status
+                finished_ids.add(req_id)
+                kv_transfer_params = self._free_request(request)
+            logprobs = runner_output.logprobs.get(req_id)
+            outputs.append(EngineCoreOutput(
+                req_id, [token], [logprobs] if logprobs is not None else None,
+                finish_reason=status.finish_reason if status else None,
+                stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
+                kv_transfer_params=kv_transfer_params))
+        if finished_ids:
+            self.running = [r for r in self.running if r.request_id not in finished_ids]
+        self._update_transfers(runner_output)
+        return outputs
+
+    def _update_transfers(self, runner_output: ModelRunnerOutput) -> None:
+        kv_out = runner_output.kv_connector_output
+        for req_id in kv_out.finished_sending:
+            request = self.held.pop(req_id, None)
+            if request is not None:
+                self.kv.free(request)
+        for req_id in kv_out.finished_recving | kv_out.failed_recving:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue
+            if req_id in kv_out.failed_recving:
+                # Recompute: forget the unfilled blocks and start over from the local prefix.
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+            else:
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+
+    def _free_request(self, request: Request) -> dict | None:
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        hold, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        if hold:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
+        return params
+
+    # ---- introspection -----------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,47 @@
+"""Reference paged attention on torch's scaled_dot_product_attention. Runs on CPU and CUDA."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.worker.attention import AttentionMetadata
+
+
+class TorchSDPABackend:
+    name = "torch"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        # [K/V, num_blocks, block_size, num_kv_heads, head_dim]
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != num_kv_heads
+
+        if meta.decode is not None:
+            d = meta.decode
+            # keys: [num_decodes, num_kv_heads, max_len, head_dim]
+            keys = k_cache[d.block_table].flatten(1, 2).transpose(1, 2)
+            values = v_cache[d.block_table].flatten(1, 2).transpose(1, 2)
+            query = q[:d.num_decodes].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
+            out[:d.num_decodes] = o.squeeze(2)
+
+        for p in meta.prefills:
+            keys = k_cache[p.block_ids].flatten(0, 1)[:p.seq_len].transpose(0, 1)
+            values = v_cache[p.block_ids].flatten(0, 1)[:p.seq_len].transpose(0, 1)
+            query = q[p.query_start:p.query_end].transpose(0, 1)  # [num_heads, query_len, head_dim]
+            o = F.scaled_dot_product_attention(query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                               attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+                                               enable_gqa=gqa)
+            out[p.query_start:p.query_end] = o[0].transpose(0, 1)
+        return out

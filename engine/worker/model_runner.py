@@ -1,0 +1,175 @@
+"""The worker: owns the model, the paged KV tensors and per-request token state.
+
+It receives one SchedulerOutput per step, mirrors the request state it describes, builds the
+attention metadata once, runs the model, samples, and returns one ModelRunnerOutput.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.worker import loader
+from engine.worker.attention import build_attention_metadata
+from engine.worker.backends.torch_sdpa import TorchSDPABackend
+from engine.worker.models.llama import LlamaForCausalLM, ModelConfig
+from engine.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger("engine.worker")
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class RunnerRequest:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    banned_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int],
+                 connector: KVConnectorWorker | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.model_config = ModelConfig.from_hf(loader.load_hf_config(model_dir))
+        self.backend = TorchSDPABackend()
+
+        start = time.perf_counter()
+        torch.manual_seed(config.seed)
+        # Built on the meta device so no time goes into random init, then filled by load_weights.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.model_config, self.backend)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        if self.model_config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.init_rope_tables(self.device)
+        model.load_weights(loader.iter_weights(model_dir))
+        self.model = model.eval()
+        logger.info("loaded %s (%s, %s) in %.1fs", model_dir.name, self.dtype, self.device,
+                    time.perf_counter() - start)
+
+        self.num_blocks = self._num_blocks()
+        cfg = self.model_config
+        shape = (cfg.num_layers, *self.backend.kv_cache_shape(self.num_blocks, self.block_size,
+                                                              cfg.num_kv_heads, cfg.head_dim))
+        # Zeroed, not empty: padded attention reads stale-but-finite values, never NaN.
+        self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.connector = connector or NoOpConnectorWorker()
+        self.connector.register_kv_caches(self.kv_caches)
+        self.sampler = Sampler()
+        self.requests: dict[str, RunnerRequest] = {}
+
+    @property
+    def bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        memory = self.config.cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = memory // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {self.bytes_per_block} bytes")
+        return num_blocks
+
+    # ---- per-step state ----------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RunnerRequest(
+                list(new.prompt_token_ids), list(new.output_token_ids),
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.block_ids.extend(block_ids)
+            state.num_computed_tokens = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        self.connector.start_load_kv(so.kv_connector_metadata)
+        output = ModelRunnerOutput()
+        if so.total_num_scheduled_tokens == 0:
+            output.kv_connector_output = self.connector.get_finished()
+            return output
+
+        # Single-token queries first (they attend as one batch), then the longer ones.
+        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] > 1)
+        states = [self.requests[r] for r in req_ids]
+        query_lens = [so.num_scheduled_tokens[r] for r in req_ids]
+        meta, positions = build_attention_metadata(
+            query_lens, [s.num_computed_tokens for s in states], [s.block_ids for s in states],
+            self.block_size, self.device, self.model_config.sliding_window)
+        input_ids = []
+        for state, n in zip(states, query_lens):
+            input_ids.extend(state.token_ids[state.num_computed_tokens:state.num_computed_tokens + n])
+
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                            torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
+        self.connector.save_kv(so.kv_connector_metadata)
+
+        # Sample for requests whose known tokens are now all computed; the rest are mid-prefill.
+        rows, last_index, offset = [], [], 0
+        for req_id, state, n in zip(req_ids, states, query_lens):
+            offset += n
+            state.num_computed_tokens += n
+            if state.num_computed_tokens == len(state.token_ids):
+                rows.append((req_id, state))
+                last_index.append(offset - 1)
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
+            sampled = self.sampler(logits, SamplingMetadata.build(
+                [s.sampling_params for _, s in rows],
+                [s.prompt_token_ids for _, s in rows],
+                [s.output_token_ids for _, s in rows],
+                [self._banned_ids(s) for _, s in rows],
+                self.device))
+            for i, (req_id, state) in enumerate(rows):
+                token = sampled.sampled_token_ids[i]
+                state.output_token_ids.append(token)
+                state.token_ids.append(token)
+                output.sampled_token_ids[req_id] = token
+                if sampled.logprobs is not None and state.sampling_params.logprobs is not None:
+                    output.logprobs[req_id] = sampled.logprobs[i]
+        output.kv_connector_output = self.connector.get_finished()
+        return output
+
+    def _banned_ids(self, state: RunnerRequest) -> list[int]:
+        """EOS and stop tokens may not end a request before it has min_tokens tokens."""
+        params = state.sampling_params
+        if len(state.output_token_ids) >= params.min_tokens:
+            return []
+        return self.eos_token_ids + list(params.stop_token_ids)

@@ -1,0 +1,82 @@
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)`` and ``.chat(...)``."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, OutputKind
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Loads a model and generates for batches of prompts.
+
+    ``LLM()`` loads the default model (SmolLM2-135M-Instruct). Keyword arguments follow vLLM:
+    block_size, kv_cache_memory ("2GiB" or bytes) or num_blocks, max_num_seqs,
+    max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, seed.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs come back in input order. A str, a list of str, one list of token ids, or a
+        list of lists of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt)
+        # The template already spells out the special tokens.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._ids))
+                engine.add_request(request_id, prompt, p, OutputKind.FINAL_ONLY)
+                ids.append(request_id)
+            results: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        return [results[i] for i in ids]
