@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny random models that the tests create and save themselves, and the
+real SmolLM2 model (converted once per session into a temporary cache)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+# One converted copy of the default model per test session unless the caller shares a cache.
+os.environ.setdefault("ENGINE_CACHE_DIR", tempfile.mkdtemp(prefix="engine-cache-"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY_COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                   initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+
+
+def make_tiny_model(path: Path, arch: str = "llama", **overrides) -> Path:
+    """Save a tiny random HF model of the given family (with the SmolLM2 tokenizer) to `path`."""
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from engine.worker.loader import resolve_model
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    config = config_cls(**{**TINY_COMMON, **overrides})
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from engine.worker.loader import resolve_model
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=True)
+
+
+class HFReference:
+    """HF transformers on the same weights: greedy generate one prompt at a time, no EOS stop."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outs = []
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+        return outs
+
+    @torch.no_grad()
+    def assert_same(self, prompt: list[int], ours: list[int], ref: list[int], min_prefix: int = 8) -> None:
+        """Token-for-token equal, except that a divergence is accepted at an exact numerical tie
+        (top-2 logits within 1e-4): float summation order legitimately breaks those either way."""
+        if ours == ref:
+            return
+        i = next((k for k in range(min(len(ours), len(ref))) if ours[k] != ref[k]), min(len(ours), len(ref)))
+        assert i < len(ours) and i < len(ref), f"lengths differ: {len(ours)} vs {len(ref)}"
+        logits = self.model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < 1e-4, (
+            f"diverged at token {i} without a tie (margin {float(top2[0] - top2[1]):.3g}): {ours} != {ref}")
+        assert i >= min_prefix, f"tie at token {i}: too early for a meaningful comparison"
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return HFReference(model_dir).greedy(prompts, max_tokens)
+
+
+def assert_engine_idle(llm) -> None:
+    """No request left anywhere and every block free (cached blocks count as free)."""
+    engine = llm.engine
+    scheduler = engine.scheduler
+    assert not engine.has_unfinished_requests()
+    assert not scheduler.requests and not scheduler.running and not scheduler.waiting and not scheduler.held
+    pool = engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not engine.kv_cache_manager.req_to_blocks
