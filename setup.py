@@ -28,7 +28,7 @@ setup(
         "redis>=5",
     ],
     extras_require={
-        "test": ["pytest>=8", "openai>=1.40", "pytest-timeout"],
+        "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib"],
         "cuda": ["flash-attn", "xformers"],
     },
     entry_points={"console_scripts": ["engine = entrypoints.cli:main"]},

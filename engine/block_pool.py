@@ -149,7 +149,3 @@ class BlockPool:
             if block.block_hash is not None and self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash = None
-
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.cached.values()):
-            self._evict(block)

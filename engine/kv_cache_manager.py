@@ -57,9 +57,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_stats(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one lookup per request (its first admission), not one per retry."""
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -46,9 +46,6 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     # ---- admission -------------------------------------------------------------------
-    def max_request_tokens(self) -> int:
-        return min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
-
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -132,6 +129,7 @@ class Scheduler:
             self.connector.update_state_after_alloc(request, block_ids, num_external)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
+                self.kv.record_prefix_stats(request, num_local)
             request.num_computed_tokens = num_computed
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV

@@ -66,6 +66,8 @@ def build_attention_metadata(
     max_blocks = max((len(b) for b in block_tables), default=0)
     table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int64)
     for i, blocks in enumerate(block_tables):
+        # Padding stands in for missing blocks; a short table would write into block 0.
+        assert len(blocks) * block_size >= seq_lens[i], "block table does not cover the sequence"
         table[i, :len(blocks)] = blocks
     slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
 
