@@ -33,8 +33,9 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
 
 
 def run_step(kv_cache, seqs, order, query_lens, num_computed, block_size, sliding_window, scale):
-    """One forward call for the given per-sequence query ranges, decodes first as the runner does."""
-    order = sorted(order, key=lambda i: query_lens[i] > 1)
+    """One forward call for the given per-sequence query ranges, ordered as the runner does:
+    single-token queries first, longest context first, then the multi-token ones."""
+    order = sorted(order, key=lambda i: (query_lens[i] > 1, -(num_computed[i] + query_lens[i])))
     meta, positions = build_attention_metadata(
         [query_lens[i] for i in order], [num_computed[i] for i in order],
         [seqs[i]["blocks"] for i in order], block_size, CPU, sliding_window)
@@ -105,7 +106,7 @@ def test_paged_attention_matches_dense_reference(seed, block_size, sliding_windo
     meta = run_step(kv_cache, seqs, list(range(len(seqs))), [s["q_len"] for s in seqs], [s["ctx"] for s in seqs],
                     block_size, sliding_window, scale)
     num_single = sum(1 for s in seqs if s["q_len"] == 1)
-    assert meta.decode is not None and meta.decode.num_decodes == num_single
+    assert sum(d.end - d.start for d in meta.decodes) == num_single
     assert len(meta.prefills) == len(seqs) - num_single
 
 
@@ -120,10 +121,11 @@ def test_decode_only_and_prefill_only_steps():
     scale = 1 / math.sqrt(HEAD_DIM)
     lens = [len(s["q"]) for s in seqs]
     meta = run_step(kv_cache, seqs, [0, 1, 2], [n - 1 for n in lens], [0, 0, 0], block_size, None, scale)
-    assert meta.decode is None
+    assert meta.decodes == []
     meta = run_step(kv_cache, seqs, [0, 1, 2], [1, 1, 1], [n - 1 for n in lens], block_size, None, scale)
-    assert meta.decode is not None and meta.prefills == []
-    assert meta.decode.seq_lens.tolist() == lens
+    assert meta.prefills == []
+    # Lengths 14, 9, 3: 3 < half of 14 starts a second group.
+    assert [(d.start, d.end) for d in meta.decodes] == [(0, 2), (2, 3)]
 
 
 def test_slot_mapping_of_a_hand_built_step():
@@ -134,11 +136,11 @@ def test_slot_mapping_of_a_hand_built_step():
     assert meta.slot_mapping.tolist() == [9, 14, 15, 0]
     assert positions.tolist() == [5, 2, 3, 4]
     assert meta.num_tokens == 4
-    assert meta.decode.num_decodes == 1
-    assert meta.decode.seq_lens.tolist() == [6]
-    assert meta.decode.block_table.tolist() == [[7, 2]]
-    assert meta.decode.mask.shape == (1, 1, 1, 8)
-    assert meta.decode.mask.flatten().tolist() == [True] * 6 + [False] * 2
+    (d,) = meta.decodes
+    assert (d.start, d.end) == (0, 1)
+    assert d.block_ids.tolist() == [7, 2]
+    assert d.mask.shape == (1, 1, 1, 8)
+    assert d.mask.flatten().tolist() == [True] * 6 + [False] * 2
     (p,) = meta.prefills
     assert (p.query_start, p.query_end, p.seq_len) == (1, 4, 5)
     assert p.block_ids.tolist() == [3, 0]
@@ -151,9 +153,20 @@ def test_slot_mapping_of_a_hand_built_step():
 def test_slot_mapping_with_block_size_one_and_no_context():
     meta, positions = build_attention_metadata([3], [0], [[4, 1, 6]], 1, CPU)
     assert meta.slot_mapping.tolist() == [4, 1, 6] and positions.tolist() == [0, 1, 2]
-    assert meta.decode is None and meta.prefills[0].mask is None  # plain causal
+    assert meta.decodes == [] and meta.prefills[0].mask is None  # plain causal
 
 
 def test_multi_token_queries_before_single_ones_are_refused():
     with pytest.raises(AssertionError):
         build_attention_metadata([3, 1], [0, 4], [[0], [1, 2]], 4, CPU)
+
+
+def test_decode_length_groups_bound_padding():
+    from engine.worker.attention import _length_groups
+    assert _length_groups(np.array([], dtype=np.int64)) == []
+    assert _length_groups(np.array([100, 90, 60, 51])) == [(0, 4)]
+    assert _length_groups(np.array([100, 49, 40, 10])) == [(0, 1), (1, 3), (3, 4)]
+    # Never more than four groups, however spread the lengths are.
+    assert len(_length_groups(np.array([2**k for k in range(20, 0, -1)]))) == 4
+    with pytest.raises(AssertionError):
+        _length_groups(np.array([1, 5]))

@@ -17,12 +17,13 @@ import torch
 
 
 @dataclass(slots=True)
-class DecodeBatch:
-    """The first ``num_decodes`` tokens: one query token per request, batched together."""
-    num_decodes: int
-    block_table: torch.Tensor   # [num_decodes, max_blocks] int64, padded with block 0
-    seq_lens: torch.Tensor      # [num_decodes] int64
-    mask: torch.Tensor          # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+class DecodeGroup:
+    """Single-query rows [start, end) of the step, batched into one attention call. Rows are
+    grouped by context length so that padding to the longest stays small."""
+    start: int
+    end: int
+    block_ids: torch.Tensor     # [num_rows * max_blocks] int64, row-major, padded with block 0
+    mask: torch.Tensor          # [num_rows, 1, 1, max_blocks * block_size] bool, True = attend
 
 
 @dataclass(slots=True)
@@ -39,7 +40,7 @@ class PrefillSeq:
 class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
-    decode: DecodeBatch | None
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
 
 
@@ -73,20 +74,18 @@ def build_attention_metadata(
 
     num_decodes = int(np.searchsorted(q_lens > 1, True)) if num_reqs else 0
     assert (q_lens[:num_decodes] == 1).all() and (q_lens[num_decodes:] > 1).all(), "decodes must come first"
-    decode = None
-    if num_decodes:
-        dec_seq = seq_lens[:num_decodes]
-        dec_blocks = int(-(-dec_seq.max() // block_size))
-        key_pos = np.arange(dec_blocks * block_size)
-        mask = key_pos[None, :] < dec_seq[:, None]
+    decodes = []
+    for start, end in _length_groups(seq_lens[:num_decodes]):
+        group_seq = seq_lens[start:end]
+        group_blocks = int(-(-group_seq.max() // block_size))
+        key_pos = np.arange(group_blocks * block_size)
+        mask = key_pos[None, :] < group_seq[:, None]
         if sliding_window is not None:
-            mask &= key_pos[None, :] > (dec_seq[:, None] - 1 - sliding_window)
-        decode = DecodeBatch(
-            num_decodes,
-            torch.from_numpy(table[:num_decodes, :dec_blocks].copy()).to(device),
-            torch.from_numpy(dec_seq.copy()).to(device),
-            torch.from_numpy(mask).view(num_decodes, 1, 1, -1).to(device),
-        )
+            mask &= key_pos[None, :] > (group_seq[:, None] - 1 - sliding_window)
+        decodes.append(DecodeGroup(
+            start, end,
+            torch.from_numpy(table[start:end, :group_blocks].reshape(-1)).to(device),
+            torch.from_numpy(mask).view(end - start, 1, 1, -1).to(device)))
     prefills = []
     for i in range(num_decodes, num_reqs):
         seq_len, q_len = int(seq_lens[i]), int(q_lens[i])
@@ -102,4 +101,19 @@ def build_attention_metadata(
         prefills.append(PrefillSeq(int(starts[i]), int(starts[i] + q_len),
                                    torch.tensor(block_tables[i][:n_blocks], dtype=torch.int64, device=device),
                                    seq_len, mask))
-    return AttentionMetadata(num_tokens, torch.from_numpy(slots).to(device), decode, prefills), positions
+    return AttentionMetadata(num_tokens, torch.from_numpy(slots).to(device), decodes, prefills), positions
+
+
+def _length_groups(seq_lens: np.ndarray, max_waste: float = 0.5, max_groups: int = 4) -> list[tuple[int, int]]:
+    """Split rows (sorted by descending length) where padding to the group's longest row would
+    waste more than `max_waste` of a row; at most `max_groups` groups."""
+    if len(seq_lens) == 0:
+        return []
+    assert (np.diff(seq_lens) <= 0).all(), "decode rows must be sorted by descending length"
+    groups, start = [], 0
+    for i in range(1, len(seq_lens)):
+        if len(groups) + 1 < max_groups and seq_lens[i] < (1 - max_waste) * seq_lens[start]:
+            groups.append((start, i))
+            start = i
+    groups.append((start, len(seq_lens)))
+    return groups

@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.worker import loader
 from engine.worker.attention import build_attention_metadata
 from engine.worker.backends.torch_sdpa import TorchSDPABackend
+from engine.worker.cpu_linear import onednn_available, pack_linears
 from engine.worker.models.llama import LlamaForCausalLM, ModelConfig
 from engine.worker.sampler import Sampler, SamplingMetadata
 
@@ -72,6 +73,8 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rope_tables(self.device)
         model.load_weights(loader.iter_weights(model_dir))
+        if onednn_available(self.device, self.dtype):
+            pack_linears(model)
         self.model = model.eval()
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir.name, self.dtype, self.device,
                     time.perf_counter() - start)
@@ -126,8 +129,12 @@ class ModelRunner:
             output.kv_connector_output = self.connector.get_finished()
             return output
 
-        # Single-token queries first (they attend as one batch), then the longer ones.
-        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] > 1)
+        # Single-token queries first, longest context first (they attend in length groups),
+        # then the multi-token ones.
+        def order(req_id: str) -> tuple[bool, int]:
+            n = so.num_scheduled_tokens[req_id]
+            return n > 1, -(self.requests[req_id].num_computed_tokens + n)
+        req_ids = sorted(so.num_scheduled_tokens, key=order)
         states = [self.requests[r] for r in req_ids]
         query_lens = [so.num_scheduled_tokens[r] for r in req_ids]
         meta, positions = build_attention_metadata(

@@ -27,18 +27,18 @@ class TorchSDPABackend:
         out = torch.empty_like(q)
         gqa = q.shape[1] != num_kv_heads
 
-        if meta.decode is not None:
-            d = meta.decode
-            # keys: [num_decodes, num_kv_heads, max_len, head_dim]
-            keys = k_cache[d.block_table].flatten(1, 2).transpose(1, 2)
-            values = v_cache[d.block_table].flatten(1, 2).transpose(1, 2)
-            query = q[:d.num_decodes].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+        for d in meta.decodes:
+            rows = d.end - d.start
+            # index_select on the flat block list is ~2x faster than advanced indexing.
+            keys = k_cache.index_select(0, d.block_ids).view(rows, -1, num_kv_heads, head_dim).transpose(1, 2)
+            values = v_cache.index_select(0, d.block_ids).view(rows, -1, num_kv_heads, head_dim).transpose(1, 2)
+            query = q[d.start:d.end].unsqueeze(2)  # [rows, num_heads, 1, head_dim]
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
-            out[:d.num_decodes] = o.squeeze(2)
+            out[d.start:d.end] = o.squeeze(2)
 
         for p in meta.prefills:
-            keys = k_cache[p.block_ids].flatten(0, 1)[:p.seq_len].transpose(0, 1)
-            values = v_cache[p.block_ids].flatten(0, 1)[:p.seq_len].transpose(0, 1)
+            keys = k_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.seq_len].transpose(0, 1)
+            values = v_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.seq_len].transpose(0, 1)
             query = q[p.query_start:p.query_end].transpose(0, 1)  # [num_heads, query_len, head_dim]
             o = F.scaled_dot_product_attention(query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
