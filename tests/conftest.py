@@ -56,13 +56,32 @@ class HFReference:
 
     @torch.no_grad()
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return [tokens for tokens, _ in self.greedy_with_margins(prompts, max_tokens)]
+
+    @torch.no_grad()
+    def greedy_with_margins(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], float]]:
+        """Greedy tokens plus the smallest top-1/top-2 logit gap met along the way."""
         outs = []
         for ids in prompts:
             x = torch.tensor([ids])
             y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+                                    do_sample=False, eos_token_id=None, pad_token_id=0,
+                                    output_scores=True, return_dict_in_generate=True)
+            margins = [float(t[0] - t[1]) for t in (s[0].topk(2).values for s in y.scores)]
+            outs.append((y.sequences[0, len(ids):].tolist(), min(margins)))
         return outs
+
+    def well_conditioned(self, candidates: list[list[int]], max_tokens: int, count: int,
+                         min_margin: float = 1e-3) -> tuple[list[list[int]], list[list[int]]]:
+        """Prompts whose reference greedy path never meets a near-tie, with their outputs.
+        On those, any correct implementation must agree token for token."""
+        chosen, outputs = [], []
+        for prompt, (tokens, margin) in zip(candidates, self.greedy_with_margins(candidates, max_tokens)):
+            if margin >= min_margin and len(chosen) < count:
+                chosen.append(prompt)
+                outputs.append(tokens)
+        assert len(chosen) == count, f"only {len(chosen)} of {len(candidates)} prompts are well conditioned"
+        return chosen, outputs
 
     @torch.no_grad()
     def assert_same(self, prompt: list[int], ours: list[int], ref: list[int], min_prefix: int = 8) -> None:

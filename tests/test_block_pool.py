@@ -166,7 +166,7 @@ def test_on_evict_reports_the_hash_of_the_reused_block():
     pool.get_new_blocks(1)
     assert evicted == [(hashes[1], blocks[1].block_id)]
     assert pool.get_cached_block(hashes[1]) is None and pool.get_cached_block(hashes[0]) is blocks[0]
-    pool.reset_prefix_cache()
+    pool.get_new_blocks(1)
     assert evicted[1:] == [(hashes[0], blocks[0].block_id)]
     assert pool.num_cached_blocks == 0
 
