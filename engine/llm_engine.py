@@ -55,6 +55,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     error: str | None = None
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -209,6 +210,8 @@ class LLMEngine:
             state.kv_transfer_params = out.kv_transfer_params
         if out.error is not None:
             state.error = out.error
+        if state.queue_time is None:
+            state.queue_time = out.queue_time
         child.token_ids.extend(out.new_token_ids)
         child.new_token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and child.logprobs is not None:
@@ -243,4 +246,4 @@ class LLMEngine:
             child.new_token_ids.clear()
             child.new_logprobs.clear()
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
-                             state.num_cached_tokens, state.kv_transfer_params, state.error)
+                             state.num_cached_tokens, state.kv_transfer_params, state.error, state.queue_time)

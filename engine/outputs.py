@@ -69,6 +69,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     error: str | None = None
+    queue_time: float | None = None
 
 
 @dataclass
@@ -103,3 +104,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     error: str | None = None
+    queue_time: float | None = None

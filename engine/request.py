@@ -70,6 +70,8 @@ class Request:
         # Prompt tokens served from a cache (device prefix cache or a connector) at first schedule.
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # Seconds from arrival to the first schedule.
+        self.queue_time: float | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -7,6 +7,7 @@ tokens (or a chunk of them) per request, so prefill chunks and decode tokens sha
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -136,6 +137,8 @@ class Scheduler:
                 skipped.append(request)
                 continue
             request.status = RequestStatus.RUNNING
+            if request.queue_time is None:
+                request.queue_time = time.monotonic() - request.arrival_time
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -191,7 +194,7 @@ class Scheduler:
                 req_id, [token], [logprobs] if logprobs is not None else None,
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
-                kv_transfer_params=kv_transfer_params))
+                kv_transfer_params=kv_transfer_params, queue_time=request.queue_time))
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
         self._update_transfers(runner_output)

@@ -46,6 +46,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from engine.config import EngineConfig
+    from engine.core_client import AsyncEngineClient
+    from engine.worker.loader import resolve_model
+    from entrypoints.api_server import OpenAIServer, build_app
+
+    model_dir = resolve_model(args.model_path or args.model)
+    served = args.served_model_name or [args.model_path or args.model or "SmolLM2-135M-Instruct"]
+    config = EngineConfig(model=str(model_dir), **engine_kwargs(args))
+    api_key = args.api_key or os.environ.get("ENGINE_API_KEY")
+
+    async def serve() -> None:
+        client = AsyncEngineClient(config, args.max_queue_len)
+        await client.start()
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        app = build_app(OpenAIServer(client, tokenizer, served, api_key))
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                               timeout_graceful_shutdown=10))
+
+        def on_dead(_: str) -> None:
+            # Let the error responses of requests in flight go out, then exit.
+            asyncio.get_running_loop().call_later(1.0, setattr, server, "should_exit", True)
+        client.on_dead = on_dead
+        logging.getLogger("engine").info("serving %s on http://%s:%d", served[0], args.host, args.port)
+        try:
+            await server.serve()
+        finally:
+            await client.shutdown()  # idempotent; the app's lifespan normally did it already
+
+    asyncio.run(serve())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="engine", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible server (engine core in its own process)")
+    srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="model name(s) the API answers to (default: the MODEL argument)")
+    srv.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or set ENGINE_API_KEY)")
+    srv.add_argument("--max-queue-len", type=int, default=None,
+                     help="answer 503 when this many requests are already waiting (default: unbounded)")
+    srv.add_argument("--role", default="both", choices=["both"],
+                     help="instance role; prefill/decode come with disaggregated prefill")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,145 @@
+"""The engine-core process: owns the LLMEngine and runs the step loop.
+
+It talks to the API server over two zmq PUSH/PULL sockets. Between steps it drains incoming
+messages, so an abort takes effect within one engine step, and HTTP handling never stalls
+the model loop. Every socket has a LINGER; every wait has a timeout.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.ipc import (Ack, AbortRequests, AddRequest, ChoiceDelta, EngineDead, EngineInfo, EngineStats,
+                        Outputs, RequestDelta, Shutdown, ToCore)
+from engine.llm_engine import LLMEngine, OutputKind
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger("engine.core")
+
+IDLE_POLL_MS = 100
+STATS_INTERVAL_S = 1.0
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None) -> None:
+        self.engine = engine
+        self.max_queue_len = max_queue_len
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def handle_add(self, msg: AddRequest) -> Ack:
+        scheduler = self.engine.scheduler
+        if self.max_queue_len is not None and scheduler.num_waiting + msg.params.n > self.max_queue_len:
+            return Ack(msg.request_id, 503, f"the server is busy: {scheduler.num_waiting} requests are waiting "
+                                            f"(--max-queue-len {self.max_queue_len}); try again later")
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, OutputKind.DELTA,
+                                    kv_transfer_params=msg.kv_transfer_params)
+        except InvalidRequestError as exc:
+            return Ack(msg.request_id, 400, str(exc), exc.param)
+        except ValueError as exc:
+            return Ack(msg.request_id, 400, str(exc))
+        self.prompt_tokens += len(msg.prompt_token_ids) * msg.params.n
+        return Ack(msg.request_id)
+
+    def step(self) -> list[RequestDelta]:
+        deltas = [self._to_delta(out) for out in self.engine.step()]
+        self.generation_tokens += sum(len(c.token_ids) for d in deltas for c in d.choices)
+        return deltas
+
+    def _to_delta(self, out: RequestOutput) -> RequestDelta:
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = [[(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in entry.items()]
+                            for entry in c.logprobs]
+            choices.append(ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs))
+        return RequestDelta(out.request_id, choices, out.finished, out.num_cached_tokens, out.kv_transfer_params,
+                            out.error, out.queue_time)
+
+    def stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        kv = self.engine.kv_cache_manager
+        return EngineStats(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
+            num_cached_blocks=kv.pool.num_cached_blocks, kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            num_preemptions=scheduler.stats.num_preemptions,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max_queue_len: int | None,
+                    parent_pid: int, log_level: int = logging.INFO) -> None:
+    """Process entry point. Exits when told to, when the parent dies, or when a step fails."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The API server owns Ctrl-C/SIGTERM handling and tells the core to stop over the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    push = ctx.socket(zmq.PUSH)
+    for sock in (pull, push):
+        sock.setsockopt(zmq.LINGER, 1000)
+    pull.connect(input_addr)
+    push.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToCore)
+    try:
+        try:
+            engine = LLMEngine(config)
+        except Exception as exc:  # a bad model or flag: tell the server why, then exit
+            logger.exception("engine failed to start")
+            push.send(encoder.encode(EngineDead(f"engine failed to start: {exc}")))
+            raise SystemExit(1)
+        core = EngineCore(engine, max_queue_len)
+        push.send(encoder.encode(EngineInfo(engine.max_model_len, engine.vocab_size, config.block_size,
+                                            engine.runner.num_blocks, engine.fingerprint)))
+        _loop(core, pull, push, encoder, decoder, parent_pid)
+    finally:
+        pull.close()
+        push.close()
+        ctx.term()
+
+
+def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> None:
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    last_stats = 0.0
+    while True:
+        busy = core.engine.has_unfinished_requests()
+        timeout = 0 if busy else IDLE_POLL_MS
+        while poller.poll(timeout):
+            msg = decoder.decode(pull.recv())
+            timeout = 0
+            if isinstance(msg, AddRequest):
+                push.send(encoder.encode(core.handle_add(msg)))
+            elif isinstance(msg, AbortRequests):
+                core.engine.abort_request(msg.request_ids)
+            elif isinstance(msg, Shutdown):
+                logger.info("engine core shutting down")
+                return
+        if os.getppid() != parent_pid:
+            logger.warning("API server process is gone; engine core exiting")
+            return
+        deltas = []
+        if core.engine.has_unfinished_requests():
+            try:
+                deltas = core.step()
+            except Exception as exc:
+                logger.exception("engine step failed")
+                push.send(encoder.encode(EngineDead(f"engine step failed: {type(exc).__name__}: {exc}\n"
+                                                    + traceback.format_exc(limit=3))))
+                raise SystemExit(1)
+        now = time.monotonic()
+        if deltas or now - last_stats > STATS_INTERVAL_S or busy:
+            push.send(encoder.encode(Outputs(deltas, core.stats())))
+            last_stats = now

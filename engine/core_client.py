@@ -1,0 +1,226 @@
+"""The API server's handle on the engine-core process: start it, send requests, stream back.
+
+One background task reads everything the core sends and routes it: acks to the waiting
+add, deltas to each request's queue, stats to `stats`. If the core dies, every request in
+flight gets an error and `dead` is set.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.core import run_engine_core
+from engine.ipc import (AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats, FromCore, Outputs,
+                        RequestDelta, Shutdown)
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine.client")
+
+
+class EngineRequestError(Exception):
+    """The engine refused or failed a request; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+class EngineDeadError(EngineRequestError):
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message)
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig, max_queue_len: int | None = None) -> None:
+        self.config = config
+        self.max_queue_len = max_queue_len
+        self.info: EngineInfo | None = None
+        self.stats = EngineStats()
+        self.dead: str | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._acks: dict[str, asyncio.Future] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self._process: multiprocessing.Process | None = None
+        self._reader: asyncio.Task | None = None
+        self.on_dead = None  # callback(str), e.g. to stop the HTTP server
+        self._closed = False
+
+    async def start(self, timeout: float = 600.0) -> EngineInfo:
+        self._ctx = zmq.asyncio.Context()
+        base = os.path.join(tempfile.gettempdir(), f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        input_addr, output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._pull = self._ctx.socket(zmq.PULL)
+        for sock in (self._push, self._pull):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._push.bind(input_addr)
+        self._pull.bind(output_addr)
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="engine-core", daemon=True,
+            args=(self.config, input_addr, output_addr, self.max_queue_len, os.getpid(), logging.getLogger().level))
+        self._process.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            if await self._pull.poll(timeout=500):
+                msg = self._decoder.decode(await self._pull.recv())
+                if isinstance(msg, EngineInfo):
+                    self.info = msg
+                    break
+                if isinstance(msg, EngineDead):
+                    raise RuntimeError(msg.error)
+            if not self._process.is_alive():
+                raise RuntimeError(f"engine core exited with code {self._process.exitcode} during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine core not ready after {timeout:.0f}s")
+        self._reader = asyncio.create_task(self._read_loop())
+        return self.info
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                if not await self._pull.poll(timeout=1000):
+                    if self._process is not None and not self._process.is_alive():
+                        self._set_dead(f"engine core exited unexpectedly (code {self._process.exitcode})")
+                        return
+                    continue
+                msg = self._decoder.decode(await self._pull.recv())
+                if isinstance(msg, Outputs):
+                    self.stats = msg.stats
+                    for delta in msg.deltas:
+                        queue = self._queues.get(delta.request_id)
+                        if queue is not None:
+                            queue.put_nowait(delta)
+                elif isinstance(msg, Ack):
+                    future = self._acks.pop(msg.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(msg)
+                elif isinstance(msg, EngineDead):
+                    self._set_dead(msg.error)
+                    return
+        except asyncio.CancelledError:
+            pass
+
+    def _set_dead(self, error: str) -> None:
+        logger.error("engine core is dead: %s", error)
+        self.dead = error
+        # In-flight requests fail with 500; new ones get 503 from add_request.
+        failure = EngineRequestError(500, f"engine error: {error.splitlines()[0]}")
+        for future in self._acks.values():
+            if not future.done():
+                future.set_exception(failure)
+        for queue in self._queues.values():
+            queue.put_nowait(failure)
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          kv_transfer_params: dict | None = None) -> "RequestStream":
+        """Queue a request and wait for the engine to accept it (raises EngineRequestError
+        with the HTTP status when it refuses). The caller must close() the stream."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine error: {self.dead.splitlines()[0]}")
+        if request_id in self._queues:
+            raise EngineRequestError(400, f"request id {request_id!r} is already in use", "request_id")
+        stream = RequestStream(self, request_id)
+        ack: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queues[request_id] = stream.queue
+        self._acks[request_id] = ack
+        try:
+            await self._push.send(self._encoder.encode(
+                AddRequest(request_id, prompt_token_ids, params, time.time(), kv_transfer_params)))
+            answer: Ack = await ack
+        except BaseException:
+            stream.close()
+            raise
+        if answer.status != 200:
+            stream.finished = True  # refused: nothing to abort
+            stream.close()
+            raise EngineRequestError(answer.status, answer.message or "refused", answer.param)
+        return stream
+
+    def _release(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._acks.pop(request_id, None)
+
+    def abort(self, request_ids: list[str]) -> None:
+        # Not awaited: this runs in `finally` blocks of cancelled tasks; zmq queues the frame.
+        self._push.send(self._encoder.encode(AbortRequests(request_ids)))
+
+    @property
+    def engine_pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+        process = self._process
+        if process is not None and process.is_alive():
+            try:
+                await asyncio.wait_for(self._push.send(self._encoder.encode(Shutdown())), 1.0)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass
+            deadline = time.monotonic() + timeout
+            while process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if process.is_alive():
+                logger.warning("engine core did not stop in %.0fs; killing it", timeout)
+                process.kill()
+            process.join(1)
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+
+class RequestStream:
+    """Deltas of one request, in order, ending with the finished one. close() is idempotent
+    and aborts the request in the engine if it has not finished (a client went away)."""
+
+    def __init__(self, client: AsyncEngineClient, request_id: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.finished = True
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.client._release(self.request_id)
+        if not self.finished and self.client.dead is None:
+            self.client.abort([self.request_id])

@@ -1,0 +1,95 @@
+"""Messages between the API server process and the engine-core process (msgpack over zmq).
+
+Typed msgspec structs, decoded against these exact types: nothing from a socket is ever
+unpickled or turned into arbitrary objects.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+# (token_id, logprob, rank, decoded token) with the sampled token first.
+LogprobEntry = tuple[int, float, int, str]
+
+
+# ---- server -> core -------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    kv_transfer_params: dict | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToCore = AddRequest | AbortRequests | Shutdown
+
+
+# ---- core -> server -------------------------------------------------------------------
+class EngineInfo(msgspec.Struct, tag="ready"):
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    fingerprint: str
+
+
+class Ack(msgspec.Struct, tag="ack"):
+    """Answer to AddRequest: accepted (status 200) or refused with an HTTP status."""
+    request_id: str
+    status: int = 200
+    message: str | None = None
+    param: str | None = None
+
+
+class ChoiceDelta(msgspec.Struct):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[list[LogprobEntry]] | None = None
+
+
+class RequestDelta(msgspec.Struct):
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+    error: str | None = None
+    queue_time: float | None = None
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    deltas: list[RequestDelta]
+    stats: EngineStats
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    error: str
+
+
+FromCore = EngineInfo | Ack | Outputs | EngineDead

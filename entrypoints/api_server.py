@@ -1,0 +1,418 @@
+"""OpenAI-compatible HTTP server. The engine runs in its own process (engine/core.py); this
+process parses, tokenizes, validates, streams, measures, and never blocks on the model."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.core_client import AsyncEngineClient, EngineRequestError, RequestStream
+from engine.ipc import ChoiceDelta, LogprobEntry
+from engine.sampling_params import MAX_LOGPROBS
+from entrypoints.metrics import ServerMetrics
+from entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, ModelCard,
+                                  ModelList, UsageInfo, random_id)
+
+logger = logging.getLogger("engine.api")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, "error"),
+                                             param=self.param, code=self.status)).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServer:
+    def __init__(self, client: AsyncEngineClient, tokenizer, served_model_names: list[str],
+                 api_key: str | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_names = served_model_names
+        self.api_key = api_key
+        self.metrics = ServerMetrics(served_model_names[0], lambda: client.stats)
+
+    # ---- input -------------------------------------------------------------------------
+    async def _parse(self, raw: Request, model_cls):
+        body = await raw.body()
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object")
+        try:
+            request = model_cls.model_validate(data)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str", "int"))]
+            param = ".".join(loc) or None
+            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param)
+        if request.model is not None and request.model not in self.model_names:
+            raise APIError(404, f"The model `{request.model}` does not exist. Served: {', '.join(self.model_names)}",
+                           "model")
+        return request
+
+    def _sampling_params(self, request, max_tokens: int | None, logprobs: int | None):
+        try:
+            return request.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            message = str(exc)
+            return_param = message.split(" ", 1)[0]
+            raise APIError(400, message, return_param)
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=request.chat_template,
+                                                      add_generation_prompt=request.add_generation_prompt)
+        except Exception as exc:  # a template that cannot render these messages
+            raise APIError(400, f"cannot apply the chat template: {exc}", "messages")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- endpoints ---------------------------------------------------------------------
+    async def completions(self, raw: Request) -> Response:
+        request: CompletionRequest = await self._parse(raw, CompletionRequest)
+        if request.logprobs is not None and request.logprobs > 5:
+            raise APIError(400, f"logprobs must be at most 5 for completions, got {request.logprobs}", "logprobs")
+        params = self._sampling_params(request, request.max_tokens, request.logprobs)
+        prompts = self._completion_prompts(request.prompt)
+        return await self._serve(raw, request, "cmpl", prompts, params, chat=False)
+
+    async def chat_completions(self, raw: Request) -> Response:
+        request: ChatCompletionRequest = await self._parse(raw, ChatCompletionRequest)
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        params = self._sampling_params(request, max_tokens, logprobs)
+        return await self._serve(raw, request, "chatcmpl", [self._chat_prompt(request)], params, chat=True)
+
+    async def _serve(self, raw: Request, request, prefix: str, prompts: list[list[int]], params,
+                     chat: bool) -> Response:
+        request_id = request.request_id or raw.headers.get("x-request-id") or random_id(prefix)
+        arrival = time.monotonic()
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt_ids in enumerate(prompts):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.client.add_request(sub_id, prompt_ids, params, request.kv_transfer_params))
+        except EngineRequestError as exc:
+            for s in streams:
+                s.close()
+            raise APIError(exc.status, str(exc), exc.param)
+        response = _Response(self, request_id, request, prompts, params.n, chat, arrival)
+        if request.stream:
+            return StreamingResponse(response.stream(streams), media_type="text/event-stream",
+                                     headers={"X-Request-Id": request_id})
+        return await _until_disconnect(raw, response.collect(streams), streams,
+                                       lambda: response._finish_metrics(aborted=True))
+
+    def models(self) -> dict:
+        max_len = self.client.info.max_model_len if self.client.info else None
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=max_len)
+                               for name in self.model_names]).model_dump()
+
+
+async def _until_disconnect(raw: Request, work, streams: list[RequestStream], on_abort) -> Response:
+    """Run a non-streaming handler, but stop (and abort the engine requests) as soon as the
+    client disconnects: nobody is left to read the answer."""
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        logger.info("client disconnected; aborting %s", [s.request_id for s in streams])
+        on_abort()
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+        for s in streams:
+            s.close()
+
+
+class _Response:
+    """Turns engine deltas into OpenAI JSON, streamed or whole, and records metrics."""
+
+    def __init__(self, server: OpenAIServer, request_id: str, request, prompts: list[list[int]], n: int, chat: bool,
+                 arrival: float) -> None:
+        self.server, self.request_id, self.request = server, request_id, request
+        self.prompts, self.n, self.chat, self.arrival = prompts, n, chat, arrival
+        self.created = int(time.time())
+        self.model = request.model or server.model_names[0]
+        self.object = "chat.completion" if chat else "text_completion"
+        self.completion_tokens = 0
+        self.cached_tokens: dict[int, int] = {}
+        self.finish_reasons: list[str] = []
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.itls: list[float] = []
+        self.queue_time = 0.0
+        self.kv_transfer_params: dict | None = None
+
+    def _record(self, prompt_index: int, delta) -> None:
+        now = time.monotonic()
+        if any(c.token_ids for c in delta.choices):
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif self.last_token_at is not None:
+                self.itls.append(now - self.last_token_at)
+            self.last_token_at = now
+        self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
+        self.cached_tokens[prompt_index] = delta.num_cached_tokens
+        if delta.queue_time is not None:
+            self.queue_time = max(self.queue_time, delta.queue_time)
+        if delta.kv_transfer_params is not None:
+            self.kv_transfer_params = delta.kv_transfer_params
+        self.finish_reasons += [c.finish_reason for c in delta.choices if c.finish_reason is not None]
+
+    def _finish_metrics(self, aborted: bool = False) -> None:
+        if aborted:
+            self.finish_reasons += ["abort"] * (len(self.prompts) * self.n - len(self.finish_reasons))
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        self.server.metrics.observe_request(self.finish_reasons, ttft, self.itls, time.monotonic() - self.arrival,
+                                            self.queue_time)
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt_tokens + self.completion_tokens,
+                         prompt_tokens_details={"cached_tokens": sum(self.cached_tokens.values())}).model_dump()
+
+    def _logprobs(self, entries: list[list[LogprobEntry]] | None, text_offset: int):
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{"token": e[0][3], "logprob": e[0][1], "bytes": list(e[0][3].encode()),
+                                 "top_logprobs": [{"token": t[3], "logprob": t[1], "bytes": list(t[3].encode())}
+                                                  for t in e[1:]]} for e in entries]}
+        offsets, offset = [], text_offset
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e[0][3])
+        return {"tokens": [e[0][3] for e in entries], "token_logprobs": [e[0][1] for e in entries],
+                "top_logprobs": [{t[3]: t[1] for t in e[1:]} or None for e in entries], "text_offset": offsets}
+
+    async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+        """Deltas of all prompts of the request as they come, tagged with the prompt index."""
+        if len(streams) == 1:
+            async for delta in streams[0]:
+                yield 0, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for delta in stream:
+                    await queue.put((i, delta))
+            except Exception as exc:
+                await queue.put((i, exc))
+            await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ---- non-streaming -----------------------------------------------------------------
+    async def collect(self, streams: list[RequestStream]) -> Response:
+        texts: dict[int, str] = {}
+        tokens: dict[int, list[int]] = {}
+        finish: dict[int, tuple[str | None, object]] = {}
+        logprobs: dict[int, list] = {}
+        try:
+            async for i, delta in self._merged(streams):
+                self._record(i, delta)
+                if delta.error is not None and delta.finished and all(c.finish_reason == "error" for c in delta.choices):
+                    raise APIError(500, delta.error)
+                for c in delta.choices:
+                    index = i * self.n + c.index
+                    texts[index] = texts.get(index, "") + c.text
+                    tokens.setdefault(index, []).extend(c.token_ids)
+                    if c.logprobs is not None:
+                        logprobs.setdefault(index, []).extend(c.logprobs)
+                    if c.finish_reason is not None:
+                        finish[index] = (c.finish_reason, c.stop_reason)
+        except EngineRequestError as exc:
+            raise APIError(exc.status, str(exc), exc.param)
+        self._finish_metrics()
+        choices = []
+        for index in sorted(texts.keys() | finish.keys()):
+            reason, stop_reason = finish.get(index, (None, None))
+            choice = {"index": index, "finish_reason": reason, "stop_reason": stop_reason,
+                      "logprobs": self._logprobs(logprobs.get(index) if index in logprobs else None, 0)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": texts.get(index, "")}
+            else:
+                choice["text"] = texts.get(index, "")
+            choices.append(choice)
+        body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+        if self.kv_transfer_params is not None:
+            body["kv_transfer_params"] = self.kv_transfer_params
+        return JSONResponse(body, headers={"X-Request-Id": self.request_id})
+
+    # ---- streaming ---------------------------------------------------------------------
+    async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
+        offsets: dict[int, int] = {}
+        completed = False
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return _sse({"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                         "choices": choices, **extra})
+
+        try:
+            if self.chat:  # the role comes first, once per choice
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(self.prompts) * self.n)])
+            async for i, delta in self._merged(streams):
+                self._record(i, delta)
+                if delta.error is not None and all(c.finish_reason == "error" for c in delta.choices):
+                    yield _sse(APIError(500, delta.error).body())
+                    break
+                out = []
+                for c in delta.choices:
+                    index = i * self.n + c.index
+                    out.append(self._stream_choice(index, c, offsets))
+                    offsets[index] = offsets.get(index, 0) + len(c.text)
+                if out:
+                    kv = {"kv_transfer_params": delta.kv_transfer_params} if delta.kv_transfer_params else {}
+                    yield chunk(out, **kv)
+            else:
+                if include_usage:
+                    yield chunk([], usage=self.usage())
+            completed = True
+            self._finish_metrics()
+        except EngineRequestError as exc:
+            completed = True
+            yield _sse(APIError(exc.status, str(exc), exc.param).body())
+        finally:
+            for s in streams:  # a client that went away cancels us here: abort in the engine
+                s.close()
+            if not completed:
+                self._finish_metrics(aborted=True)
+        yield _sse("[DONE]")
+
+    def _stream_choice(self, index: int, c: ChoiceDelta, offsets: dict[int, int]) -> dict:
+        logprobs = self._logprobs(c.logprobs, offsets.get(index, 0))
+        if self.chat:
+            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+        return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+
+def build_app(server: OpenAIServer) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # Runs on SIGTERM/Ctrl-C after in-flight responses drained (or timed out).
+        await server.client.shutdown()
+
+    app = FastAPI(title="engine", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.openai = server
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if server.api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {server.api_key}":
+                return APIError(401, "Unauthorized: missing or wrong API key").response()
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await server.completions(raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await server.chat_completions(raw)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        if server.client.dead is not None:
+            return APIError(503, f"engine is dead: {server.client.dead.splitlines()[0]}").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/status")
+    async def status():
+        stats = server.client.stats
+        return {"model": server.model_names[0], "dead": server.client.dead,
+                "engine_pid": server.client.engine_pid,
+                "requests": {"running": stats.num_running, "waiting": stats.num_waiting,
+                             "in_flight_http": server.client.num_in_flight},
+                "kv_blocks": {"total": stats.num_blocks, "free": stats.num_free_blocks,
+                              "cached": stats.num_cached_blocks, "in_use": stats.num_blocks - stats.num_free_blocks},
+                "num_preemptions": stats.num_preemptions}
+
+    return app

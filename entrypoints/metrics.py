@@ -1,0 +1,82 @@
+"""Prometheus metrics, named like vLLM's with an `engine:` prefix.
+
+Engine-side numbers (queue sizes, KV usage, prefix cache, preemptions, token totals) come from
+the stats snapshot the engine core sends with every step; request latencies are measured here,
+in the API server, where the client's clock starts.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.ipc import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0)
+
+
+class _EngineStatsCollector:
+    def __init__(self, get_stats, model_name: str) -> None:
+        self.get_stats = get_stats
+        self.model_name = model_name
+
+    def collect(self):
+        s: EngineStats = self.get_stats()
+        label = [self.model_name]
+        gauges = [
+            ("engine:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("engine:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("engine:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage),
+            ("engine:kv_blocks_total", "KV blocks in the pool.", s.num_blocks),
+            ("engine:kv_blocks_free", "KV blocks not held by any request (cached ones included).",
+             s.num_free_blocks),
+            ("engine:kv_blocks_cached", "KV blocks holding a reusable prefix.", s.num_cached_blocks),
+        ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            yield g
+        counters = [
+            ("engine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("engine:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("engine:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+            ("engine:prompt_tokens", "Prompt tokens accepted.", s.prompt_tokens),
+            ("engine:generation_tokens", "Tokens generated.", s.generation_tokens),
+        ]
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, get_stats) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(get_stats, model_name))
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = hist("engine:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("engine:inter_token_latency_seconds", "Time between consecutive output deltas.")
+        self.e2e = hist("engine:e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue_time = hist("engine:request_queue_time_seconds",
+                               "Time from arrival until the engine accepted the request.")
+        self.success = Counter("engine:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+
+    def observe_request(self, finish_reasons: list[str], ttft: float | None, itls: list[float], e2e: float,
+                        queue_time: float) -> None:
+        label = self.model_name
+        if ttft is not None:
+            self.ttft.labels(label).observe(ttft)
+        for gap in itls:
+            self.itl.labels(label).observe(gap)
+        self.e2e.labels(label).observe(e2e)
+        self.queue_time.labels(label).observe(queue_time)
+        for reason in finish_reasons:
+            self.success.labels(label, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

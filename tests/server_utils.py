@@ -1,0 +1,102 @@
+"""Start a real `engine serve` subprocess on a free loopback port and check it stays clean."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class ServerProcess:
+    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "entrypoints.cli", "serve", *args, "--port", str(self.port)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"engine-serve-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited during start-up:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"server not healthy after {startup_timeout}s")
+            time.sleep(0.25)
+        self.engine_pid = self.status()["engine_pid"]
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.url}/status", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Until nothing runs or waits and every KV block is free (cached ones count as free)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status()
+            busy = status["requests"]["running"] + status["requests"]["waiting"] + status["kv_blocks"]["in_use"]
+            if busy == 0 and status["requests"]["in_flight_http"] == 0:
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle after {timeout}s: {status}")
+            time.sleep(0.1)
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=5).text
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, then check that the server and its engine core both exited in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError("server did not exit within {timeout}s of SIGTERM")
+        finally:
+            self.log.close()
+        engine_pid = getattr(self, "engine_pid", None)
+        deadline = time.monotonic() + 5
+        while engine_pid is not None and pid_alive(engine_pid):
+            if time.monotonic() > deadline:
+                os.kill(engine_pid, signal.SIGKILL)
+                raise AssertionError("engine core process outlived the server")
+            time.sleep(0.05)
+        return code
