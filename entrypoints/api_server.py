@@ -221,18 +221,23 @@ class _Response:
                          prompt_tokens_details={"cached_tokens": sum(self.cached_tokens.values())}).model_dump()
 
     def _logprobs(self, entries: list[list[LogprobEntry]] | None, text_offset: int):
+        """Per token the engine sends the sampled entry first, then the top-k (which may hold
+        the sampled token again, merged away); the top-k are the k best ranks."""
         if entries is None:
             return None
+        k = (self.request.top_logprobs or 0) if self.chat else self.request.logprobs
+        sampled = [e[0] for e in entries]
+        tops = [sorted(e, key=lambda t: t[2])[:k] for e in entries]
         if self.chat:
-            return {"content": [{"token": e[0][3], "logprob": e[0][1], "bytes": list(e[0][3].encode()),
+            return {"content": [{"token": s[3], "logprob": s[1], "bytes": list(s[3].encode()),
                                  "top_logprobs": [{"token": t[3], "logprob": t[1], "bytes": list(t[3].encode())}
-                                                  for t in e[1:]]} for e in entries]}
+                                                  for t in top]} for s, top in zip(sampled, tops)]}
         offsets, offset = [], text_offset
-        for e in entries:
+        for s in sampled:
             offsets.append(offset)
-            offset += len(e[0][3])
-        return {"tokens": [e[0][3] for e in entries], "token_logprobs": [e[0][1] for e in entries],
-                "top_logprobs": [{t[3]: t[1] for t in e[1:]} or None for e in entries], "text_offset": offsets}
+            offset += len(s[3])
+        return {"tokens": [s[3] for s in sampled], "token_logprobs": [s[1] for s in sampled],
+                "top_logprobs": [{t[3]: t[1] for t in top} or None for top in tops], "text_offset": offsets}
 
     async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
         """Deltas of all prompts of the request as they come, tagged with the prompt index."""
