@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
 .PHONY: venv generate serve test test-fast bench clean
+PORT ?= 8000
 
 venv: $(VENV)/.installed
 
@@ -19,6 +20,9 @@ $(VENV)/.installed: setup.py
 
 generate: venv
 	$(VENV)/bin/engine generate "$(PROMPT)" --chat --max-tokens 64
+
+serve: venv
+	$(VENV)/bin/engine serve --host 127.0.0.1 --port $(PORT)
 
 test: venv
 	$(PY) -m pytest -q tests
