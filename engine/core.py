@@ -69,7 +69,10 @@ class EngineCore:
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         kv = self.engine.kv_cache_manager
+        moved, failures, seconds = self.engine.runner.connector.transfer_stats()
         return EngineStats(
+            kv_blocks_held=sum(len(kv.get_block_ids(r)) for r in scheduler.held),
+            kv_transfer_bytes=moved, kv_transfer_failures=failures, kv_transfer_seconds=seconds,
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks, kv_cache_usage=kv.usage,
@@ -103,7 +106,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
         core = EngineCore(engine, max_queue_len)
         push.send(encoder.encode(EngineInfo(engine.max_model_len, engine.vocab_size, config.block_size,
                                             engine.runner.num_blocks, engine.fingerprint)))
-        _loop(core, pull, push, encoder, decoder, parent_pid)
+        try:
+            _loop(core, pull, push, encoder, decoder, parent_pid)
+        finally:
+            engine.shutdown()
     finally:
         pull.close()
         push.close()
@@ -116,7 +122,8 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
     last_stats = 0.0
     while True:
         busy = core.engine.has_unfinished_requests()
-        timeout = 0 if busy else IDLE_POLL_MS
+        # Waiting only for remote KV (nothing was scheduled): poll briefly instead of spinning.
+        timeout = IDLE_POLL_MS if not busy else (0 if core.engine.last_num_scheduled_tokens else 2)
         while poller.poll(timeout):
             msg = decoder.decode(pull.recv())
             timeout = 0

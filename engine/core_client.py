@@ -56,6 +56,7 @@ class AsyncEngineClient:
         self._reader: asyncio.Task | None = None
         self.on_dead = None  # callback(str), e.g. to stop the HTTP server
         self._closed = False
+        self.on_stats = None  # callback(EngineStats) for every stats message
 
     async def start(self, timeout: float = 600.0) -> EngineInfo:
         self._ctx = zmq.asyncio.Context()
@@ -98,6 +99,8 @@ class AsyncEngineClient:
                 msg = self._decoder.decode(await self._pull.recv())
                 if isinstance(msg, Outputs):
                     self.stats = msg.stats
+                    if self.on_stats is not None:
+                        self.on_stats(msg.stats)
                     for delta in msg.deltas:
                         queue = self._queues.get(delta.request_id)
                         if queue is not None:
@@ -200,6 +203,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self._closed = False
+        self.on_stats = None  # callback(EngineStats) for every stats message
 
     def __aiter__(self) -> "RequestStream":
         return self

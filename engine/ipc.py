@@ -81,6 +81,11 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    kv_blocks_held: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_failures: dict[str, int] = {}
+    # Durations of transfers that completed since the previous stats message.
+    kv_transfer_seconds: list[float] = []
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

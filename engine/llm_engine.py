@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
@@ -14,6 +15,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_transfer.p2p import P2PConnectorScheduler
+from engine.kv_transfer.p2p_worker import DEFAULT_CHUNK_BYTES, P2PConnectorWorker
 from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -77,19 +80,35 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_max
         self.vocab_size = hf_config["vocab_size"]
 
-        self.runner = ModelRunner(config, model_dir, self.eos_token_ids)
+        transfer = config.kv_transfer_config
+        uses_p2p = transfer is not None and transfer.kv_connector == "p2p"
+        self.runner = ModelRunner(config, model_dir, self.eos_token_ids,
+                                  reserved_bytes=DEFAULT_CHUNK_BYTES if uses_p2p else 0)
+        # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
         self.fingerprint = (f"{loader.model_fingerprint(model_dir)}:{self.runner.dtype}:"
-                            f"bs{config.block_size}:{self.runner.backend.name}")
+                            f"bs{config.block_size}:{self.runner.backend.name}:[L,2,N,bs,H,D]")
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        connector = None
+        if uses_p2p:
+            self.engine_id = uuid.uuid4().hex[:12]
+            port = transfer.kv_port if transfer.kv_role in ("kv_producer", "kv_both") else None
+            if transfer.kv_role == "kv_producer" and port is None:
+                raise ValueError("a KV producer (--role prefill) needs --kv-port")
+            connector = P2PConnectorScheduler(transfer, self.engine_id, port and f"tcp://{transfer.kv_ip}:{port}",
+                                              config.block_size)
+            self.runner.set_connector(P2PConnectorWorker(self.engine_id, self.fingerprint, transfer.kv_ip, port))
+        elif transfer is not None and transfer.kv_connector is not None:
+            raise ValueError(f"unknown kv_connector {transfer.kv_connector!r}; available: p2p")
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector)
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:
             logger.warning("the KV pool holds %d tokens, less than max_model_len=%d: longer requests are "
                            "rejected", pool_tokens, self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks, config.block_size,
                     self.runner.num_blocks * self.runner.bytes_per_block / 2**30)
+        self.last_num_scheduled_tokens = 0
         self._states: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
 
@@ -177,10 +196,15 @@ class LLMEngine:
         return len(self._states)
 
     # ---- the step ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.runner.connector.shutdown()
+
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.runner.connector.start_load_kv(self.scheduler.flush_connector_metadata())
         return self._process_outputs(core_outputs)
 
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:

@@ -47,6 +47,7 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+    failure_reasons: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

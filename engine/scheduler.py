@@ -25,6 +25,7 @@ logger = logging.getLogger("engine.scheduler")
 class SchedulerStats:
     num_preemptions: int = 0
     num_rejected: int = 0
+    num_kv_load_failures: int = 0
 
 
 class Scheduler:
@@ -117,8 +118,12 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 skipped.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_local = self.kv.get_computed_blocks(request)
-            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            if request.request_id in self.kv.req_to_blocks:
+                # Its remote KV arrived: the blocks are allocated and the counter advanced.
+                computed_blocks, num_local, num_external, load_async = [], request.num_computed_tokens, 0, False
+            else:
+                computed_blocks, num_local = self.kv.get_computed_blocks(request)
+                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
             num_computed = num_local + num_external
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_external,
@@ -127,7 +132,7 @@ class Scheduler:
                 break  # wait for memory; never jump the queue
             self.waiting.popleft()
             block_ids = self.kv.get_block_ids(request.request_id)
-            self.connector.update_state_after_alloc(request, block_ids, num_external)
+            self.connector.update_state_after_alloc(request, block_ids, num_local, num_external)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
                 self.kv.record_prefix_stats(request, num_local)
@@ -197,26 +202,47 @@ class Scheduler:
                 kv_transfer_params=kv_transfer_params, queue_time=request.queue_time))
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
-        self._update_transfers(runner_output)
+        outputs += self._update_transfers(runner_output)
         return outputs
 
-    def _update_transfers(self, runner_output: ModelRunnerOutput) -> None:
+    def _update_transfers(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply what the connector's worker half finished: sends release held blocks; loads
+        make their request runnable, or (on failure) recompute or fail it."""
         kv_out = runner_output.kv_connector_output
+        outputs = []
         for req_id in kv_out.finished_sending:
             request = self.held.pop(req_id, None)
             if request is not None:
                 self.kv.free(request)
         for req_id in kv_out.finished_recving | kv_out.failed_recving:
+            self.connector.transfer_done(req_id)
+            failed = req_id in kv_out.failed_recving
+            held = self.held.pop(req_id, None)
+            if held is not None:
+                # Ended while its load was in flight: the blocks are safe to reuse only now.
+                self.kv.free(held)
+                continue
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
-            if req_id in kv_out.failed_recving:
-                # Recompute: forget the unfilled blocks and start over from the local prefix.
-                self.kv.free(request)
-                request.num_computed_tokens = 0
-            else:
-                self.kv.cache_blocks(request, request.num_computed_tokens)
             request.status = RequestStatus.WAITING
+            if not failed:
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+                continue
+            self.stats.num_kv_load_failures += 1
+            # Never decode over blocks that were not filled: drop them all.
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            reason = kv_out.failure_reasons.get(req_id, "KV load failed")
+            if self.connector.load_failure_policy == "recompute":
+                logger.warning("KV load for %s failed (%s); recomputing the prefill locally", req_id, reason)
+                continue
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = f"KV cache load failed: {reason}"
+            self._free_request(request)
+            outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=request.error))
+        return outputs
 
     def _free_request(self, request: Request) -> dict | None:
         self._finished_req_ids.add(request.request_id)
@@ -230,7 +256,13 @@ class Scheduler:
 
     # ---- introspection -----------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        # Held requests count: steps must keep running until their transfers report back.
+        return bool(self.requests) or bool(self._pending_outputs) or bool(self.held)
+
+    def flush_connector_metadata(self):
+        """Connector work created by this step's finished requests (a prefill's KV to offer),
+        handed to the worker before the step's outputs reach anyone who could ask for it."""
+        return self.connector.build_connector_meta(None)
 
     @property
     def num_running(self) -> int:

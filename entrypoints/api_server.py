@@ -51,6 +51,7 @@ class OpenAIServer:
         self.model_names = served_model_names
         self.api_key = api_key
         self.metrics = ServerMetrics(served_model_names[0], lambda: client.stats)
+        client.on_stats = self.metrics.observe_stats
 
     # ---- input -------------------------------------------------------------------------
     async def _parse(self, raw: Request, model_cls):
@@ -418,6 +419,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
                              "in_flight_http": server.client.num_in_flight},
                 "kv_blocks": {"total": stats.num_blocks, "free": stats.num_free_blocks,
                               "cached": stats.num_cached_blocks, "in_use": stats.num_blocks - stats.num_free_blocks},
-                "num_preemptions": stats.num_preemptions}
+                "num_preemptions": stats.num_preemptions,
+                "kv_transfer": {"blocks_held": stats.kv_blocks_held, "bytes": stats.kv_transfer_bytes,
+                                "failures": stats.kv_transfer_failures}}
 
     return app

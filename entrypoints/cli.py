@@ -46,6 +46,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def kv_transfer_config(args: argparse.Namespace):
+    import json
+
+    from engine.config import KVTransferConfig
+
+    if args.kv_transfer_config:
+        try:
+            raw = json.loads(args.kv_transfer_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {exc}")
+        extra = raw.pop("kv_connector_extra_config", None) or raw.pop("extra", None) or {}
+        known = {"kv_connector", "kv_role", "kv_ip", "kv_port", "kv_load_failure_policy"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"--kv-transfer-config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        return KVTransferConfig(**raw, extra=extra)
+    if args.role == "both":
+        return None
+    return KVTransferConfig(
+        kv_connector="p2p", kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
+        kv_ip=args.kv_ip or args.host, kv_port=(args.kv_port or 14579) if args.role == "prefill" else None,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        extra={"lease_s": args.kv_lease_s, "load_timeout_s": args.kv_load_timeout_s})
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
@@ -60,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model(args.model_path or args.model)
     served = args.served_model_name or [args.model_path or args.model or "SmolLM2-135M-Instruct"]
-    config = EngineConfig(model=str(model_dir), **engine_kwargs(args))
+    config = EngineConfig(model=str(model_dir), kv_transfer_config=kv_transfer_config(args), **engine_kwargs(args))
     api_key = args.api_key or os.environ.get("ENGINE_API_KEY")
 
     async def serve() -> None:
@@ -82,6 +107,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await client.shutdown()  # idempotent; the app's lifespan normally did it already
 
     asyncio.run(serve())
+    return 0
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from entrypoints.proxy import Proxy, build_proxy_app
+
+    proxy = Proxy(args.prefill, args.decode, args.policy, args.timeout)
+    logging.getLogger("engine").info("proxy on http://%s:%d: prefill %s -> decode %s", args.host, args.port,
+                                     args.prefill, args.decode)
+    uvicorn.run(build_proxy_app(proxy), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=10)
     return 0
 
 
@@ -110,10 +148,38 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or set ENGINE_API_KEY)")
     srv.add_argument("--max-queue-len", type=int, default=None,
                      help="answer 503 when this many requests are already waiting (default: unbounded)")
-    srv.add_argument("--role", default="both", choices=["both"],
-                     help="instance role; prefill/decode come with disaggregated prefill")
+    srv.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                     help="both: a whole engine; prefill: compute prompts' KV and serve it to decode "
+                          "instances over --kv-port; decode: continue from KV pulled from a prefill instance")
+    srv.add_argument("--kv-port", type=int, default=None,
+                     help="port the prefill role serves KV on (default 14579)")
+    srv.add_argument("--kv-ip", default=None,
+                     help="address the prefill role binds and advertises for KV (default: --host)")
+    srv.add_argument("--kv-transfer-config", default=None,
+                     help='JSON alternative to --role, vLLM-style: {"kv_connector": "p2p", "kv_role": '
+                          '"kv_producer", "kv_port": 14579, "kv_load_failure_policy": "recompute", '
+                          '"kv_connector_extra_config": {"lease_s": 30, "load_timeout_s": 30}}')
+    srv.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                     help="decode role, when KV does not arrive in time: recompute the prefill locally "
+                          "(default; output stays correct) or fail the request")
+    srv.add_argument("--kv-lease-s", type=float, default=30.0,
+                     help="prefill role: seconds a finished prompt's KV is held for a decode to pull (default 30)")
+    srv.add_argument("--kv-load-timeout-s", type=float, default=30.0,
+                     help="decode role: deadline for a KV pull (default 30)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    px = sub.add_parser("proxy", help="route each request through a prefill and then a decode instance")
+    px.add_argument("--host", default="127.0.0.1")
+    px.add_argument("--port", type=int, default=8000)
+    px.add_argument("--prefill", action="append", required=True, metavar="URL",
+                    help="a prefill instance (engine serve --role prefill); repeat for several")
+    px.add_argument("--decode", action="append", required=True, metavar="URL",
+                    help="a decode instance (engine serve --role decode); repeat for several")
+    px.add_argument("--policy", default="least-loaded", choices=["least-loaded", "round-robin"])
+    px.add_argument("--timeout", type=float, default=300.0,
+                    help="deadline in seconds for each upstream call (between chunks when streaming)")
+    px.set_defaults(func=cmd_proxy)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -31,6 +31,7 @@ class _EngineStatsCollector:
             ("engine:kv_blocks_free", "KV blocks not held by any request (cached ones included).",
              s.num_free_blocks),
             ("engine:kv_blocks_cached", "KV blocks holding a reusable prefix.", s.num_cached_blocks),
+            ("engine:kv_blocks_held", "KV blocks of finished requests held for a KV transfer.", s.kv_blocks_held),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -42,11 +43,17 @@ class _EngineStatsCollector:
             ("engine:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
             ("engine:prompt_tokens", "Prompt tokens accepted.", s.prompt_tokens),
             ("engine:generation_tokens", "Tokens generated.", s.generation_tokens),
+            ("engine:kv_transfer_bytes", "KV bytes sent to or received from peers.", s.kv_transfer_bytes),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, value)
             yield c
+        failures = CounterMetricFamily("engine:kv_transfer_failures", "KV transfers that failed, by reason.",
+                                       labels=["model_name", "reason"])
+        for reason, count in sorted(s.kv_transfer_failures.items()):
+            failures.add_metric([self.model_name, reason], count)
+        yield failures
 
 
 class ServerMetrics:
@@ -63,6 +70,7 @@ class ServerMetrics:
         self.e2e = hist("engine:e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue_time = hist("engine:request_queue_time_seconds",
                                "Time from arrival until the engine accepted the request.")
+        self.kv_transfer_seconds = hist("engine:kv_transfer_seconds", "Duration of one KV transfer.")
         self.success = Counter("engine:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
 
@@ -77,6 +85,10 @@ class ServerMetrics:
         self.queue_time.labels(label).observe(queue_time)
         for reason in finish_reasons:
             self.success.labels(label, reason).inc()
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        for seconds in stats.kv_transfer_seconds:
+            self.kv_transfer_seconds.labels(self.model_name).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,6 +17,10 @@ from engine.request import Request
 class KVConnectorScheduler(ABC):
     """Scheduler half. Never touches tensors or sockets."""
 
+    # What the scheduler does when a load fails: "recompute" the prefill locally (the output
+    # stays correct) or "fail" the request with an error.
+    load_failure_policy: str = "recompute"
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """How many tokens after ``num_computed_tokens`` can be supplied from outside, and
@@ -24,8 +28,10 @@ class KVConnectorScheduler(ABC):
         WAITING_FOR_REMOTE_KV). Must have no side effects: the allocation may still fail."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        """Blocks for the external tokens were allocated; remember to fill them."""
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                                 num_external_tokens: int) -> None:
+        """Blocks were allocated: ``block_ids`` hold the local prefix hit (``num_local_tokens``)
+        followed by room for the ``num_external_tokens`` to fill."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
@@ -35,6 +41,10 @@ class KVConnectorScheduler(ABC):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """A request finished. Returns (hold the blocks until the worker reports the send
         done, kv_transfer_params to hand back to the client or proxy)."""
+
+
+    def transfer_done(self, req_id: str) -> None:
+        """The worker half finished (or gave up on) the load of ``req_id``."""
 
 
 class KVConnectorWorker(ABC):
@@ -56,12 +66,17 @@ class KVConnectorWorker(ABC):
     def shutdown(self) -> None:
         pass
 
+    def transfer_stats(self) -> tuple[int, dict[str, int], list[float]]:
+        """(bytes moved so far, failures by reason so far, durations since the last call)."""
+        return 0, {}, []
+
 
 class NoOpConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                                 num_external_tokens: int) -> None:
         pass
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:

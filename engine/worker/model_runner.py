@@ -54,7 +54,7 @@ class RunnerRequest:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int],
-                 connector: KVConnectorWorker | None = None) -> None:
+                 reserved_bytes: int = 0) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -79,14 +79,13 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir.name, self.dtype, self.device,
                     time.perf_counter() - start)
 
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = self._num_blocks(reserved_bytes)
         cfg = self.model_config
         shape = (cfg.num_layers, *self.backend.kv_cache_shape(self.num_blocks, self.block_size,
                                                               cfg.num_kv_heads, cfg.head_dim))
         # Zeroed, not empty: padded attention reads stale-but-finite values, never NaN.
         self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.connector = connector or NoOpConnectorWorker()
-        self.connector.register_kv_caches(self.kv_caches)
+        self.connector: KVConnectorWorker = NoOpConnectorWorker()
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
 
@@ -96,10 +95,15 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def _num_blocks(self) -> int:
+    def set_connector(self, connector: KVConnectorWorker) -> None:
+        self.connector = connector
+        connector.register_kv_caches(self.kv_caches)
+
+    def _num_blocks(self, reserved_bytes: int) -> int:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
-        memory = self.config.cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        # Transfer staging buffers come out of the same budget: they never grow past it.
+        memory = (self.config.cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY) - reserved_bytes
         num_blocks = memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {self.bytes_per_block} bytes")

@@ -1,0 +1,153 @@
+"""Disaggregated prefill over pyzmq: the scheduler half.
+
+A prefill instance (producer) finishes a request that asked for ``do_remote_decode``, keeps
+its blocks (an ``insert`` into the lookup buffer, under a lease) and hands back
+``kv_transfer_params`` naming where the KV can be pulled. A decode instance (consumer) gets
+the same request with those params: the scheduler matches its own prefix cache first, then
+asks here how many more tokens the peer has, allocates blocks for them and parks the request
+in WAITING_FOR_REMOTE_KV while the worker half ``drop_select``s the KV straight into those
+blocks. The producer frees its copy only once the transfer is done or its lease expired.
+
+The last prompt token is always recomputed on the consumer, because its logits are needed.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+from engine.config import KVTransferConfig
+from engine.kv_transfer.base import KVConnectorScheduler
+from engine.outputs import SchedulerOutput
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger("engine.kv_transfer")
+
+
+def host_id() -> str:
+    """Identifies this machine, so peers on it can use the ipc fast path."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def ipc_path(port: int) -> str:
+    return f"ipc:///tmp/engine-kv-{port}.sock"
+
+DEFAULT_LEASE_S = 30.0
+DEFAULT_LOAD_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True)
+class SendSpec:
+    """Producer side: KV of ``num_tokens`` tokens in ``block_ids`` may be pulled until the lease ends."""
+    req_id: str
+    block_ids: list[int]
+    num_tokens: int
+    lease_deadline: float  # time.monotonic() of the engine-core process
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Consumer side: pull remote blocks [start_block, start_block + len(block_ids)) of
+    ``remote_request_id`` into local ``block_ids`` before ``deadline``."""
+    req_id: str
+    remote_addr: str
+    remote_request_id: str
+    start_block: int
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass(slots=True)
+class P2PMetadata:
+    sends: list[SendSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    # (peer address, remote request id): KV the peer holds for us that we will never pull.
+    releases: list[tuple[str, str]] = field(default_factory=list)
+
+
+class P2PConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, config: KVTransferConfig, engine_id: str, advertised_addr: str | None,
+                 block_size: int) -> None:
+        self.engine_id = engine_id
+        self.advertised_addr = advertised_addr  # None on an instance that does not serve KV
+        self.block_size = block_size
+        self.load_failure_policy = config.kv_load_failure_policy
+        self.lease_s = float(config.extra.get("lease_s", DEFAULT_LEASE_S))
+        self.load_timeout_s = float(config.extra.get("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S))
+        self._meta = P2PMetadata()
+        self._loading: set[str] = set()   # consumer requests whose load is in flight
+        self._consumed: set[str] = set()  # remote KV already used or given up on: never pulled twice
+
+    # ---- consumer ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or request.request_id in self._consumed:
+            return 0, False
+        remote_tokens = int(params.get("num_tokens", 0))
+        usable = min(remote_tokens, request.num_prompt_tokens - 1)
+        external = usable - num_computed_tokens
+        return (external, True) if external > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or request.request_id in self._consumed:
+            return
+        self._consumed.add(request.request_id)
+        addr = self._peer_addr(params)
+        if num_external_tokens == 0:
+            # The local prefix cache already had everything: let the peer free its copy now.
+            self._meta.releases.append((addr, str(params["remote_request_id"])))
+            return
+        # Local prefix hits are whole blocks, so the external range starts on a block boundary.
+        start = num_local_tokens // self.block_size
+        end = -(-(num_local_tokens + num_external_tokens) // self.block_size)
+        self._meta.loads.append(LoadSpec(
+            request.request_id, addr, str(params["remote_request_id"]), start,
+            block_ids[start:end], time.monotonic() + self.load_timeout_s))
+        self._loading.add(request.request_id)
+
+    @staticmethod
+    def _peer_addr(params: dict) -> str:
+        addr = str(params["remote_kv_addr"])
+        if params.get("remote_host_id") == host_id():
+            addr = ipc_path(int(addr.rsplit(":", 1)[1]))  # same machine: skip the TCP stack
+        return addr
+
+    # ---- both ------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2PMetadata:
+        meta, self._meta = self._meta, P2PMetadata()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and req_id not in self._consumed:
+            self._meta.releases.append((self._peer_addr(params), str(params["remote_request_id"])))
+        self._consumed.discard(req_id)
+        if req_id in self._loading:
+            # Aborted while its KV is still arriving: keep the blocks until the worker confirms
+            # the transfer is cancelled, so late bytes never land in reused blocks.
+            self._meta.cancels.append(req_id)
+            return True, None
+        if (not params.get("do_remote_decode") or self.advertised_addr is None
+                or request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)):
+            return False, None
+        # The prompt's KV is complete; the sampled token's is not (decode recomputes from it).
+        num_tokens = request.num_prompt_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        self._meta.sends.append(SendSpec(req_id, block_ids[:num_blocks], num_tokens,
+                                         time.monotonic() + self.lease_s))
+        return True, {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
+                      "remote_kv_addr": self.advertised_addr, "remote_host_id": host_id(),
+                      "remote_request_id": req_id, "num_tokens": num_tokens}
+
+    def transfer_done(self, req_id: str) -> None:
+        self._loading.discard(req_id)

@@ -1,0 +1,352 @@
+"""Disaggregated prefill over pyzmq: the worker half, which moves the bytes.
+
+Producer: a ROUTER socket (tcp, plus ipc for peers on the same host) serves ``drop_select``
+pulls of the lookup buffer. An entry leaves the buffer when it is selected or when its lease
+ends; either way the scheduler is told (``finished_sending``) and frees the blocks only then.
+
+Consumer: a DEALER socket per peer pulls into the blocks the scheduler allocated. Every
+pull has a fresh transfer id, a deadline and in-order chunks whose dtype, shape, length and
+CRC32 are checked before a byte is written; anything else (late, duplicate, reordered,
+truncated frames, or frames for a cancelled transfer) is dropped. A failed peer socket is
+closed and re-created, so stale state never survives into the next handshake.
+
+Wire format: frame 0 is a msgspec message; chunk data follows as one raw frame.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from engine.kv_transfer.base import KVConnectorWorker
+from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, SendSpec, ipc_path
+from engine.outputs import KVConnectorOutput
+
+logger = logging.getLogger("engine.kv_transfer")
+
+PROTOCOL_VERSION = 1
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    fingerprint: str
+    version: int = PROTOCOL_VERSION
+
+
+class HelloReply(msgspec.Struct, tag="hello_reply"):
+    ok: bool
+    engine_id: str
+    fingerprint: str
+    message: str = ""
+
+
+class Pull(msgspec.Struct, tag="pull"):
+    transfer_id: str
+    request_id: str
+    start_block: int
+    num_blocks: int
+
+
+class Release(msgspec.Struct, tag="release"):
+    request_id: str
+
+
+class Chunk(msgspec.Struct, tag="chunk"):
+    transfer_id: str
+    status: str  # "ok" | "not_found" | "error"
+    message: str = ""
+    seq: int = 0
+    num_chunks: int = 0
+    first_block: int = 0
+    num_blocks: int = 0
+    dtype: str = ""
+    shape: list[int] = []
+    nbytes: int = 0
+    crc32: int = 0
+
+
+WireMessage = Hello | HelloReply | Pull | Release | Chunk
+
+
+@dataclass(slots=True)
+class _Entry:
+    spec: SendSpec
+
+
+class P2PConnectorWorker(KVConnectorWorker):
+    def __init__(self, engine_id: str, fingerprint: str, bind_ip: str | None, port: int | None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.engine_id = engine_id
+        self.fingerprint = fingerprint
+        self.chunk_bytes = chunk_bytes
+        self.kv: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._buffer: dict[str, _Entry] = {}
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._cancelled: set[str] = set()
+        self._jobs: queue.Queue[LoadSpec | tuple[str, str]] = queue.Queue()
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self.stats = {"bytes_sent": 0, "bytes_received": 0, "transfers": 0, "seconds": [], "failures": {}}
+        self._threads = [threading.Thread(target=self._pull_loop, name="kv-pull", daemon=True)]
+        self.bind_ip, self.port = bind_ip, port
+        if port is not None:
+            self._threads.append(threading.Thread(target=self._serve_loop, name="kv-serve", daemon=True))
+            self._server_ready = threading.Event()
+
+    # ---- engine-facing -----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
+        # kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = kv_caches
+        self.block_shape = list(kv_caches.shape[3:])
+        self.bytes_per_block = kv_caches[:, :, 0].numel() * kv_caches.element_size()
+        for t in self._threads:
+            t.start()
+        if self.port is not None and not self._server_ready.wait(10):
+            raise RuntimeError(f"KV server did not bind port {self.port}")
+
+    def start_load_kv(self, metadata: P2PMetadata | None) -> None:
+        if metadata is None:
+            return
+        with self._lock:
+            for spec in metadata.sends:
+                self._buffer[spec.req_id] = _Entry(spec)
+            self._cancelled.update(metadata.cancels)
+        for spec in metadata.loads:
+            self._jobs.put(spec)
+        for addr, remote_request_id in metadata.releases:
+            self._jobs.put((addr, remote_request_id))
+
+    def get_finished(self) -> KVConnectorOutput:
+        with self._lock:
+            out = KVConnectorOutput(self._done_sending, self._done_recving, set(self._failed), dict(self._failed))
+            self._done_sending, self._done_recving, self._failed = set(), set(), {}
+        return out
+
+    def transfer_stats(self) -> tuple[int, dict[str, int], list[float]]:
+        with self._lock:
+            seconds, self.stats["seconds"] = self.stats["seconds"], []
+            return (self.stats["bytes_sent"] + self.stats["bytes_received"], dict(self.stats["failures"]), seconds)
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._buffer)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(2)
+        self._ctx.term()
+
+    # ---- producer ----------------------------------------------------------------------
+    def _serve_loop(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{self.bind_ip}:{self.port}")
+        sock.bind(ipc_path(self.port))
+        self._server_ready.set()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(100):
+                    frames = sock.recv_multipart()
+                    identity = frames[0]
+                    try:
+                        msg = msgspec.msgpack.decode(frames[-1], type=WireMessage)
+                    except msgspec.DecodeError:
+                        logger.warning("dropped an undecodable KV control message")
+                        continue
+                    if isinstance(msg, Hello):
+                        ok = msg.fingerprint == self.fingerprint and msg.version == PROTOCOL_VERSION
+                        message = "" if ok else (f"incompatible KV peer: theirs {msg.fingerprint} (v{msg.version}), "
+                                                 f"ours {self.fingerprint} (v{PROTOCOL_VERSION})")
+                        sock.send_multipart([identity, msgspec.msgpack.encode(
+                            HelloReply(ok, self.engine_id, self.fingerprint, message))])
+                    elif isinstance(msg, Pull):
+                        self._send(sock, identity, msg)
+                    elif isinstance(msg, Release):
+                        with self._lock:
+                            if self._buffer.pop(msg.request_id, None) is not None:
+                                self._done_sending.add(msg.request_id)
+                self._expire_leases()
+        finally:
+            sock.close(linger=0)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, e in self._buffer.items() if e.spec.lease_deadline < now]
+            for rid in expired:
+                del self._buffer[rid]
+                self._done_sending.add(rid)
+        for rid in expired:
+            logger.warning("KV lease of %s expired before any decode pulled it; blocks freed", rid)
+
+    def _send(self, sock, identity: bytes, pull: Pull) -> None:
+        with self._lock:  # drop_select: the entry leaves the buffer as it is selected
+            entry = self._buffer.pop(pull.request_id, None)
+        if entry is None:
+            sock.send_multipart([identity, msgspec.msgpack.encode(Chunk(
+                pull.transfer_id, "not_found", f"no KV held for {pull.request_id} (expired, sent or unknown)"))])
+            return
+        try:
+            blocks = entry.spec.block_ids[pull.start_block:pull.start_block + pull.num_blocks]
+            if len(blocks) != pull.num_blocks:
+                sock.send_multipart([identity, msgspec.msgpack.encode(Chunk(
+                    pull.transfer_id, "error", f"asked for {pull.num_blocks} blocks from {pull.start_block}, "
+                                               f"held {len(entry.spec.block_ids)}"))])
+                return
+            per_chunk = max(1, self.chunk_bytes // self.bytes_per_block)
+            num_chunks = -(-len(blocks) // per_chunk)
+            start = time.perf_counter()
+            for seq in range(num_chunks):
+                ids = blocks[seq * per_chunk:(seq + 1) * per_chunk]
+                # data: [num_layers, 2, len(ids), block_size, num_kv_heads, head_dim], contiguous
+                data = self.kv.index_select(2, torch.tensor(ids, dtype=torch.int64, device=self.kv.device)).cpu()
+                view = memoryview(data.numpy()).cast("B") if data.dtype != torch.bfloat16 else \
+                    memoryview(data.view(torch.int16).numpy()).cast("B")
+                header = Chunk(pull.transfer_id, "ok", seq=seq, num_chunks=num_chunks, first_block=seq * per_chunk,
+                               num_blocks=len(ids), dtype=str(data.dtype).removeprefix("torch."),
+                               shape=list(data.shape), nbytes=view.nbytes, crc32=zlib.crc32(view))
+                tracker = sock.send_multipart([identity, msgspec.msgpack.encode(header), view], copy=False,
+                                              track=True)
+                # Backpressure: one chunk of staging memory at a time.
+                tracker.wait(30)
+                self.stats["bytes_sent"] += view.nbytes
+            with self._lock:
+                self.stats["seconds"].append(time.perf_counter() - start)
+        finally:
+            with self._lock:
+                self._done_sending.add(pull.request_id)
+
+    # ---- consumer ----------------------------------------------------------------------
+    def _pull_loop(self) -> None:
+        peers: dict[str, zmq.Socket] = {}
+        try:
+            while not self._stop.is_set():
+                try:
+                    job = self._jobs.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(job, tuple):  # a release: fire and forget, the lease is the backstop
+                    addr, remote_request_id = job
+                    if addr not in peers:
+                        sock, error = self._connect(addr, time.monotonic() + 5)
+                        if sock is None:
+                            continue
+                        peers[addr] = sock
+                    peers[addr].send(msgspec.msgpack.encode(Release(remote_request_id)))
+                    continue
+                error = self._load(job, peers)
+                with self._lock:
+                    self._cancelled.discard(job.req_id)
+                    if error is None:
+                        self._done_recving.add(job.req_id)
+                    else:
+                        self._failed[job.req_id] = error
+                        reason = error.split(":")[0]  # errors start with their reason
+                        self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
+                if error is not None:
+                    logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
+                    sock = peers.pop(job.remote_addr, None)
+                    if sock is not None:  # drop anything queued or in flight on it
+                        sock.close(linger=0)
+        finally:
+            for sock in peers.values():
+                sock.close(linger=0)
+
+    def _connect(self, addr: str, deadline: float) -> tuple[zmq.Socket | None, str | None]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        sock.send(msgspec.msgpack.encode(Hello(self.fingerprint)))
+        reply = self._recv(sock, deadline, lambda m: isinstance(m, HelloReply))
+        if isinstance(reply, str):
+            sock.close(linger=0)
+            return None, f"{reply} (handshake with {addr})"
+        if not reply.ok:
+            sock.close(linger=0)
+            return None, f"incompatible: {reply.message}"
+        return sock, None
+
+    def _recv(self, sock, deadline: float, accept, req_id: str | None = None):
+        """The next accepted message (with its raw frames), or an error string."""
+        while True:
+            if req_id is not None and req_id in self._cancelled:
+                return "cancelled: the request ended"
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout: no KV before the deadline"
+            if self._stop.is_set():
+                return "shutdown"
+            if not sock.poll(min(50, int(remaining * 1000) + 1)):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            try:
+                msg = msgspec.msgpack.decode(frames[0].buffer, type=WireMessage)
+            except msgspec.DecodeError:
+                continue
+            if accept(msg):
+                return (msg, frames) if req_id is not None else msg
+
+    def _load(self, job: LoadSpec, peers: dict) -> str | None:
+        addr = job.remote_addr
+        sock = peers.get(addr)
+        if sock is None:
+            sock, error = self._connect(addr, job.deadline)
+            if sock is None:
+                return error
+            peers[addr] = sock
+        transfer_id = uuid.uuid4().hex
+        sock.send(msgspec.msgpack.encode(Pull(transfer_id, job.remote_request_id, job.start_block,
+                                              len(job.block_ids))))
+        dst = torch.tensor(job.block_ids, dtype=torch.int64, device=self.kv.device)
+        expected_seq, done_blocks, start = 0, 0, time.perf_counter()
+        dtype = str(self.kv.dtype).removeprefix("torch.")
+        while True:
+            got = self._recv(sock, job.deadline, lambda m: isinstance(m, Chunk) and m.transfer_id == transfer_id,
+                             job.req_id)
+            if isinstance(got, str):
+                return got
+            chunk, frames = got
+            if chunk.status != "ok":
+                return f"{chunk.status}: {chunk.message}"
+            expected_shape = [self.kv.shape[0], 2, chunk.num_blocks, *self.block_shape]
+            problem = None
+            if chunk.seq != expected_seq or chunk.first_block != done_blocks:
+                problem = f"out of order: chunk {chunk.seq} at block {chunk.first_block}, expected {expected_seq}"
+            elif chunk.dtype != dtype or chunk.shape != expected_shape:
+                problem = f"bad header: {chunk.dtype}{chunk.shape}, expected {dtype}{expected_shape}"
+            elif len(frames) != 2 or frames[1].buffer.nbytes != chunk.nbytes:
+                problem = f"truncated: {sum(f.buffer.nbytes for f in frames[1:])} of {chunk.nbytes} bytes"
+            elif zlib.crc32(frames[1].buffer) != chunk.crc32:
+                problem = "corrupt: checksum mismatch"
+            elif done_blocks + chunk.num_blocks > len(job.block_ids):
+                problem = "too many blocks"
+            if problem is not None:
+                return f"frame rejected: {problem}"
+            raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
+            data = raw.view(self.kv.dtype).view(expected_shape).to(self.kv.device)
+            self.kv.index_copy_(2, dst[done_blocks:done_blocks + chunk.num_blocks], data)
+            self.stats["bytes_received"] += chunk.nbytes
+            done_blocks += chunk.num_blocks
+            expected_seq += 1
+            if expected_seq == chunk.num_chunks:
+                if done_blocks != len(job.block_ids):
+                    return f"frame rejected: got {done_blocks} of {len(job.block_ids)} blocks"
+                with self._lock:
+                    self.stats["transfers"] += 1
+                    self.stats["seconds"].append(time.perf_counter() - start)
+                return None

@@ -1,0 +1,232 @@
+"""`engine proxy`: an OpenAI-compatible front that sends each request through a prefill
+instance, then a decode instance.
+
+1. P gets the request with max_tokens=1, stream=false and kv_transfer_params
+   {"do_remote_decode": true}; it computes the prompt's KV, holds it under a lease, and returns
+   kv_transfer_params saying where to pull it.
+2. D gets the original request plus those params, pulls the KV into its own cache and streams
+   the answer, which is passed through to the client.
+
+Every upstream call has a deadline; upstream errors reach the client as OpenAI error bodies
+(never an empty 200); a client that disconnects closes the upstream connection, which aborts
+the request there. The same request id travels to P and D (X-Request-Id).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger("engine.proxy")
+
+
+@dataclass
+class Upstream:
+    url: str
+    in_flight: int = 0
+
+
+def error_response(status: int, message: str, kind: str = "upstream_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status)
+
+
+class Proxy:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
+                 timeout: float = 300.0, connect_timeout: float = 5.0) -> None:
+        if not prefill_urls or not decode_urls:
+            raise ValueError("the proxy needs at least one --prefill and one --decode URL")
+        self.prefills = [Upstream(u.rstrip("/")) for u in prefill_urls]
+        self.decodes = [Upstream(u.rstrip("/")) for u in decode_urls]
+        self.policy = policy
+        self.timeout = timeout
+        self._rr = itertools.count()
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
+                                      limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+
+    def ordered(self, pool: list[Upstream]) -> list[Upstream]:
+        """Candidates in the order to try them: least loaded first (ties round robin)."""
+        start = next(self._rr) % len(pool)
+        rotated = pool[start:] + pool[:start]
+        return rotated if self.policy == "round-robin" else sorted(rotated, key=lambda u: u.in_flight)
+
+    @staticmethod
+    def _headers(raw: Request, request_id: str) -> dict:
+        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+        if "authorization" in raw.headers:
+            headers["Authorization"] = raw.headers["authorization"]
+        return headers
+
+    async def prefill(self, path: str, body: dict, headers: dict) -> dict | JSONResponse:
+        """Run the prompt on a prefill instance; returns its kv_transfer_params or an error."""
+        p_body = {**body, "max_tokens": 1, "stream": False, "n": 1,
+                  "kv_transfer_params": {"do_remote_decode": True}}
+        p_body.pop("stream_options", None)
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        last_error = None
+        for upstream in self.ordered(self.prefills):
+            upstream.in_flight += 1
+            try:
+                resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
+            except httpx.ConnectError as exc:  # down: try the next prefill instance
+                last_error = error_response(502, f"prefill {upstream.url} unreachable: {exc}")
+                continue
+            except httpx.TimeoutException:
+                return error_response(504, f"prefill {upstream.url} did not answer within {self.timeout:.0f}s")
+            except httpx.HTTPError as exc:
+                return error_response(502, f"prefill {upstream.url} failed: {type(exc).__name__}: {exc}")
+            finally:
+                upstream.in_flight -= 1
+            if resp.status_code != 200:
+                return _passthrough_error(resp)
+            params = resp.json().get("kv_transfer_params")
+            if not params:
+                return error_response(502, f"prefill {upstream.url} returned no kv_transfer_params "
+                                           "(is it running with --role prefill?)")
+            return params
+        return last_error
+
+    async def handle(self, raw: Request, path: str) -> Response:
+        try:
+            body = json.loads(await raw.body())
+            assert isinstance(body, dict)
+        except (json.JSONDecodeError, UnicodeDecodeError, AssertionError):
+            return error_response(400, "request body is not a valid JSON object", "invalid_request_error")
+        request_id = str(body.get("request_id") or raw.headers.get("x-request-id") or f"px-{uuid.uuid4().hex}")
+        body["request_id"] = request_id
+        headers = self._headers(raw, request_id)
+        started = time.monotonic()
+        params = await _until_disconnect(raw, self.prefill(path, body, headers))
+        if isinstance(params, Response):
+            return params
+        logger.info("%s prefilled in %.3fs", request_id, time.monotonic() - started)
+        d_body = {**body, "kv_transfer_params": params}
+        upstream = self.ordered(self.decodes)[0]
+        if body.get("stream"):
+            return await self._stream_decode(upstream, path, d_body, headers, request_id)
+        return await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
+
+    async def _decode(self, upstream: Upstream, path: str, body: dict, headers: dict) -> Response:
+        upstream.in_flight += 1
+        try:
+            resp = await self.http.post(f"{upstream.url}{path}", json=body, headers=headers)
+        except httpx.TimeoutException:
+            return error_response(504, f"decode {upstream.url} did not answer within {self.timeout:.0f}s")
+        except httpx.HTTPError as exc:
+            return error_response(502, f"decode {upstream.url} failed: {type(exc).__name__}: {exc}")
+        finally:
+            upstream.in_flight -= 1
+        if resp.status_code != 200:
+            return _passthrough_error(resp)
+        return Response(resp.content, status_code=200, media_type="application/json",
+                        headers={"X-Request-Id": headers["X-Request-Id"]})
+
+    async def _stream_decode(self, upstream: Upstream, path: str, body: dict, headers: dict,
+                             request_id: str) -> Response:
+        upstream.in_flight += 1
+        try:
+            resp = await self.http.send(self.http.build_request("POST", f"{upstream.url}{path}", json=body,
+                                                                headers=headers), stream=True)
+        except httpx.HTTPError as exc:
+            upstream.in_flight -= 1
+            status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+            return error_response(status, f"decode {upstream.url} failed: {type(exc).__name__}: {exc}")
+        if resp.status_code != 200:
+            await resp.aread()
+            await resp.aclose()
+            upstream.in_flight -= 1
+            return _passthrough_error(resp)
+
+        async def relay():
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:  # D died or stalled mid-stream: tell the client, then end
+                err = {"error": {"message": f"decode {upstream.url} failed mid-stream: {type(exc).__name__}",
+                                 "type": "upstream_error", "param": None, "code": 502}}
+                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                # Also runs when the client disconnects: closing aborts the request on D.
+                await resp.aclose()
+                upstream.in_flight -= 1
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
+
+    async def health(self) -> Response:
+        async def ok(u: Upstream) -> bool:
+            try:
+                return (await self.http.get(f"{u.url}/health", timeout=2)).status_code == 200
+            except httpx.HTTPError:
+                return False
+        p = await asyncio.gather(*(ok(u) for u in self.prefills))
+        d = await asyncio.gather(*(ok(u) for u in self.decodes))
+        body = {"prefill": dict(zip((u.url for u in self.prefills), p)),
+                "decode": dict(zip((u.url for u in self.decodes), d))}
+        return JSONResponse(body, status_code=200 if any(p) and any(d) else 503)
+
+
+def _passthrough_error(resp: httpx.Response) -> Response:
+    try:
+        body = resp.json()
+        if isinstance(body, dict) and "error" in body:
+            return JSONResponse(body, status_code=resp.status_code)
+    except ValueError:
+        pass
+    return error_response(resp.status_code if resp.status_code >= 400 else 502,
+                          f"upstream answered {resp.status_code}: {resp.text[:200]}")
+
+
+async def _until_disconnect(raw: Request, work):
+    """Await `work`, but give up (cancelling it, which closes its upstream connection) as soon
+    as the client disconnects."""
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+
+
+def build_proxy_app(proxy: Proxy) -> FastAPI:
+    app = FastAPI(title="engine proxy", docs_url=None, redoc_url=None)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await proxy.handle(raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        return await proxy.handle(raw, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(raw: Request):
+        for upstream in proxy.decodes:
+            try:
+                resp = await proxy.http.get(f"{upstream.url}/v1/models", timeout=5, headers={
+                    k: v for k, v in raw.headers.items() if k == "authorization"})
+                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+            except httpx.HTTPError:
+                continue
+        return error_response(503, "no decode instance reachable")
+
+    @app.get("/health")
+    async def health():
+        return await proxy.health()
+
+    return app

@@ -1,0 +1,179 @@
+"""Disaggregated prefill end to end: P computes the prompt's KV, D pulls it over pyzmq and
+continues, the proxy routes. Output must equal the colocated engine token for token, and no
+blocks may stay held on P or D afterwards."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.disagg_utils import Disagg
+from tests.server_utils import ServerProcess, free_port
+
+ENGINE_ARGS = ("--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny")
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_llama):
+    cluster = Disagg(str(tiny_llama), *ENGINE_ARGS)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _idle_after(request):
+    yield
+    if "pd" in request.fixturenames:
+        request.getfixturevalue("pd").wait_idle()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama):
+    return LLM(str(tiny_llama), num_blocks=256, max_model_len=1024)
+
+
+def _token_prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    # Shorter than a block, exactly one and two blocks, in between, and long.
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 16, 32, 45, 300)]
+
+
+def test_p_to_d_equals_colocated(pd, colocated):
+    client = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="x", max_retries=0)
+    prompts = _token_prompts()
+    expected = colocated.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                  use_tqdm=False)
+    for prompt, exp in zip(prompts, expected):
+        resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == exp.outputs[0].text, f"prompt of {len(prompt)} tokens"
+        # D served every prompt token but the last from P's KV.
+        assert resp.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
+    d_status = pd.decode.status()
+    assert d_status["kv_transfer"]["bytes"] > 0 and not d_status["kv_transfer"]["failures"]
+    assert pd.prefill.status()["kv_transfer"]["bytes"] > 0
+
+
+def test_streaming_and_chat_through_proxy(pd, colocated):
+    client = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="x", max_retries=0)
+    expected = colocated.generate("Streaming through P and D", SamplingParams(temperature=0, max_tokens=12,
+                                                                              ignore_eos=True), use_tqdm=False)
+    stream = client.completions.create(model="tiny", prompt="Streaming through P and D", max_tokens=12,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected[0].outputs[0].text
+    messages = [{"role": "user", "content": "Hello from the proxy"}]
+    want = colocated.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want
+
+
+def test_prefix_hit_on_decode(pd, colocated):
+    client = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="x", max_retries=0)
+    prompt = _token_prompts()[4]
+    want = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    for _ in range(2):  # the second time D already holds most of the prefix
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+
+
+def test_32_concurrent_requests(pd, colocated):
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 120))] for _ in range(32)]
+    expected = [o.outputs[0].text for o in colocated.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{pd.url}/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*(client.completions.create(
+            model="tiny", prompt=p, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}) for p in prompts))
+
+    results = asyncio.run(run())
+    assert [r.choices[0].text for r in results] == expected
+
+
+def test_prefill_errors_reach_the_client(pd):
+    resp = httpx.post(f"{pd.url}/v1/completions", json={"prompt": "x", "temperature": -1}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
+    resp = httpx.post(f"{pd.url}/v1/completions", content=b"{nope", timeout=30)
+    assert resp.status_code == 400
+
+
+def test_lease_expiry_frees_prefill_blocks(tiny_llama):
+    port = free_port()
+    srv = ServerProcess(str(tiny_llama), "--num-blocks", "64", "--role", "prefill", "--kv-port", str(port),
+                        "--kv-lease-s", "1")
+    try:
+        resp = httpx.post(f"{srv.url}/v1/completions", timeout=30, json={
+            "prompt": [5] * 40, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        params = resp.json()["kv_transfer_params"]
+        assert params["do_remote_prefill"] and params["num_tokens"] == 40
+        assert srv.status()["kv_transfer"]["blocks_held"] == 3  # 40 tokens in blocks of 16
+        srv.wait_idle(timeout=5)  # nobody pulled: the lease ends and the blocks come back
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_kv_that_never_arrives(tiny_llama, colocated, policy):
+    """D points at a prefill that is not there: it recomputes (correct output, counter +1) or
+    fails the request, depending on the policy, within its deadline."""
+    dead_port = free_port()
+    srv = ServerProcess(str(tiny_llama), *ENGINE_ARGS, "--role", "decode", "--kv-load-timeout-s", "1",
+                        "--kv-load-failure-policy", policy)
+    try:
+        prompt = _token_prompts()[3]
+        params = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "r1",
+                  "remote_kv_addr": f"tcp://127.0.0.1:{dead_port}", "num_tokens": len(prompt)}
+        resp = httpx.post(f"{srv.url}/v1/completions", timeout=30, json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "kv_transfer_params": params})
+        if policy == "recompute":
+            want = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                      use_tqdm=False)[0].outputs[0].text
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
+        else:
+            assert resp.status_code == 500 and "KV cache load failed" in resp.json()["error"]["message"]
+        assert srv.status()["kv_transfer"]["failures"] == {"timeout": 1}
+        srv.wait_idle()
+    finally:
+        srv.stop()
+
+
+def test_incompatible_peer_is_refused(tiny_llama, colocated):
+    """P and D with different block sizes: refused at first contact with a clear reason."""
+    cluster = Disagg(str(tiny_llama), "--num-blocks", "256", "--served-model-name", "tiny",
+                     prefill_args=("--block-size", "16", "--kv-lease-s", "2"), decode_args=("--block-size", "8"))
+    try:
+        resp = httpx.post(f"{cluster.url}/v1/completions", timeout=60, json={
+            "prompt": "mismatched peers", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        want = colocated.generate("mismatched peers", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].text
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want  # recomputed
+        assert cluster.decode.status()["kv_transfer"]["failures"] == {"incompatible": 1}
+        log = cluster.decode.log_path.read_text()
+        assert "incompatible KV peer" in log and "bs16" in log and "bs8" in log
+        cluster.wait_idle()  # P never got pulled: its lease (2 s) frees the blocks
+    finally:
+        cluster.stop()
+
+
+def test_proxy_reports_a_dead_prefill(tiny_llama):
+    from tests.disagg_utils import ProxyProcess
+    decode = ServerProcess(str(tiny_llama), "--num-blocks", "64", "--role", "decode")
+    proxy = ProxyProcess([f"http://127.0.0.1:{free_port()}"], [decode.url], "--timeout", "10")
+    try:
+        resp = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert resp.status_code == 502 and "unreachable" in resp.json()["error"]["message"]
+        health = httpx.get(f"{proxy.url}/health", timeout=10)
+        assert health.status_code == 503 and json.loads(health.text)["decode"] == {decode.url: True}
+    finally:
+        proxy.stop()
+        decode.stop()
