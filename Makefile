@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: venv generate serve test test-fast bench clean
+.PHONY: venv generate serve serve-single test test-fast bench clean
 PORT ?= 8000
 
 venv: $(VENV)/.installed
@@ -21,7 +21,12 @@ $(VENV)/.installed: setup.py
 generate: venv
 	$(VENV)/bin/engine generate "$(PROMPT)" --chat --max-tokens 64
 
+# One prefill instance, one decode instance and the proxy on :$(PORT) (disaggregated prefill).
 serve: venv
+	$(VENV)/bin/engine disagg --host 127.0.0.1 --port $(PORT)
+
+# A single instance doing both prefill and decode.
+serve-single: venv
 	$(VENV)/bin/engine serve --host 127.0.0.1 --port $(PORT)
 
 test: venv

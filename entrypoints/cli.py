@@ -106,7 +106,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             await client.shutdown()  # idempotent; the app's lifespan normally did it already
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:  # Ctrl-C after the graceful shutdown already ran
+        pass
     return 0
 
 
@@ -121,6 +124,20 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     uvicorn.run(build_proxy_app(proxy), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=10)
     return 0
+
+
+def cmd_disagg(args: argparse.Namespace) -> int:
+    from entrypoints.launcher import run_disagg
+
+    # Hand the engine flags on to both instances exactly as given.
+    engine_args = []
+    for key, value in engine_kwargs(args).items():
+        flag = "--" + key.replace("_", "-")
+        if key == "enable_prefix_caching":
+            engine_args += [] if value else ["--no-enable-prefix-caching"]
+        elif value is not None:
+            engine_args += [flag, str(value)]
+    return run_disagg(args.model_path, args.host, args.port, engine_args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     px.add_argument("--timeout", type=float, default=300.0,
                     help="deadline in seconds for each upstream call (between chunks when streaming)")
     px.set_defaults(func=cmd_proxy)
+
+    dg = sub.add_parser("disagg", help="start a prefill instance, a decode instance and the proxy on this host; "
+                                       "other flags go to both engines")
+    dg.add_argument("model_path", nargs="?", default=None, metavar="MODEL")
+    dg.add_argument("--host", default="127.0.0.1")
+    dg.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
+    add_engine_args(dg)
+    dg.set_defaults(func=cmd_disagg)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

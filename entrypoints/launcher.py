@@ -1,0 +1,70 @@
+"""`engine disagg`: one prefill instance, one decode instance and the proxy on this host, as
+three processes, with Ctrl-C/SIGTERM forwarded to all of them."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
+
+
+def run_disagg(model: str | None, host: str, port: int, engine_args: list[str]) -> int:
+    engine = [sys.executable, "-m", "entrypoints.cli"]
+    model_args = [model] if model else []
+    p_port, d_port, kv_port = _free_port(), _free_port(), _free_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(p_port), "--role", "prefill",
+                                       "--kv-port", str(kv_port), *engine_args]))
+        procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(d_port), "--role", "decode",
+                                       *engine_args]))
+        p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+        _wait_healthy(p_url, procs[0])
+        _wait_healthy(d_url, procs[1])
+        procs.append(subprocess.Popen([*engine, "proxy", "--host", host, "--port", str(port),
+                                       "--prefill", p_url, "--decode", d_url]))
+        _wait_healthy(f"http://{host}:{port}", procs[2], timeout=60)
+        print(f"""
+prefill {p_url} (KV on port {kv_port}) -> decode {d_url}, proxy on http://{host}:{port}
+try:
+  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}}'
+Ctrl-C stops all three.""", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        return 1  # one of them died
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
