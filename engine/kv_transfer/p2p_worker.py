@@ -5,8 +5,9 @@ pulls of the lookup buffer. An entry leaves the buffer when it is selected or wh
 ends; either way the scheduler is told (``finished_sending``) and frees the blocks only then.
 
 Consumer: a DEALER socket per peer pulls into the blocks the scheduler allocated. Every
-pull has a fresh transfer id, a deadline and in-order chunks whose dtype, shape, length and
-CRC32 are checked before a byte is written; anything else (late, duplicate, reordered,
+pull has a fresh transfer id, a deadline and in-order chunks whose dtype, shape and length
+are checked before a byte is written (the transports already checksum their bytes; a sender
+may add a CRC32, which is then verified too); anything else (late, duplicate, reordered,
 truncated frames, or frames for a cancelled transfer) is dropped. A failed peer socket is
 closed and re-created, so stale state never survives into the next handshake.
 
@@ -34,7 +35,7 @@ from engine.outputs import KVConnectorOutput
 logger = logging.getLogger("engine.kv_transfer")
 
 PROTOCOL_VERSION = 1
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+DEFAULT_CHUNK_BYTES = 16 * 2**20  # staging memory: two chunks in flight (double buffering)
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -211,6 +212,7 @@ class P2PConnectorWorker(KVConnectorWorker):
             per_chunk = max(1, self.chunk_bytes // self.bytes_per_block)
             num_chunks = -(-len(blocks) // per_chunk)
             start = time.perf_counter()
+            previous = None
             for seq in range(num_chunks):
                 ids = blocks[seq * per_chunk:(seq + 1) * per_chunk]
                 # data: [num_layers, 2, len(ids), block_size, num_kv_heads, head_dim], contiguous
@@ -219,12 +221,17 @@ class P2PConnectorWorker(KVConnectorWorker):
                     memoryview(data.view(torch.int16).numpy()).cast("B")
                 header = Chunk(pull.transfer_id, "ok", seq=seq, num_chunks=num_chunks, first_block=seq * per_chunk,
                                num_blocks=len(ids), dtype=str(data.dtype).removeprefix("torch."),
-                               shape=list(data.shape), nbytes=view.nbytes, crc32=zlib.crc32(view))
+                               shape=list(data.shape), nbytes=view.nbytes)
                 tracker = sock.send_multipart([identity, msgspec.msgpack.encode(header), view], copy=False,
                                               track=True)
-                # Backpressure: one chunk of staging memory at a time.
-                tracker.wait(30)
+                # Backpressure: gather the next chunk while this one is on the wire, but never
+                # hold more than two chunks of staging memory.
+                if previous is not None:
+                    previous.wait(30)
+                previous = tracker
                 self.stats["bytes_sent"] += view.nbytes
+            if previous is not None:
+                previous.wait(30)
             with self._lock:
                 self.stats["seconds"].append(time.perf_counter() - start)
         finally:
@@ -331,7 +338,7 @@ class P2PConnectorWorker(KVConnectorWorker):
                 problem = f"bad header: {chunk.dtype}{chunk.shape}, expected {dtype}{expected_shape}"
             elif len(frames) != 2 or frames[1].buffer.nbytes != chunk.nbytes:
                 problem = f"truncated: {sum(f.buffer.nbytes for f in frames[1:])} of {chunk.nbytes} bytes"
-            elif zlib.crc32(frames[1].buffer) != chunk.crc32:
+            elif chunk.crc32 and zlib.crc32(frames[1].buffer) != chunk.crc32:
                 problem = "corrupt: checksum mismatch"
             elif done_blocks + chunk.num_blocks > len(job.block_ids):
                 problem = "too many blocks"

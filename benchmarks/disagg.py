@@ -1,0 +1,173 @@
+"""Disaggregated prefill, measured side by side in one run:
+
+1. KV transfer bandwidth of the real worker code path (producer -> consumer, same host over
+   ipc and over TCP loopback) next to torch memcpy and raw zmq TCP loopback bandwidth.
+2. TTFT and ITL, colocated `engine serve` against prefill -> decode through `engine proxy`,
+   at several prompt lengths (sequential requests, so this is the pure disaggregation overhead).
+
+    python benchmarks/disagg.py [--model M] [--lengths 128 512 2048] [--requests 5] [--skip-serving]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, SendSpec, ipc_path  # noqa: E402
+from engine.kv_transfer.p2p_worker import P2PConnectorWorker  # noqa: E402
+from tests.disagg_utils import Disagg  # noqa: E402
+from tests.server_utils import ServerProcess, free_port  # noqa: E402
+
+# SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32 -> 737 KB per 16-token block.
+LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return 5 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def raw_tcp_gbps(nbytes: int) -> float:
+    """zmq PUSH/PULL of one big frame over TCP loopback: what the network path can carry."""
+    ctx = zmq.Context()
+    port = free_port()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    payload = bytearray(nbytes)
+    received = []
+    t = threading.Thread(target=lambda: [received.append(pull.recv(copy=False)) for _ in range(4)])
+    t.start()
+    start = time.perf_counter()
+    for _ in range(4):
+        push.send(payload, copy=False)
+    t.join()
+    elapsed = time.perf_counter() - start
+    for s in (pull, push):
+        s.close(linger=0)
+    ctx.term()
+    return 4 * nbytes / elapsed / 1e9
+
+
+def connector_gbps(num_blocks: int, use_tcp: bool) -> float:
+    """Producer and consumer workers in one process, real sockets between them."""
+    shape = (LAYERS, 2, num_blocks + 8, BLOCK, HEADS, HEAD_DIM)
+    port = free_port()
+    producer = P2PConnectorWorker("p", "fp", "127.0.0.1", port)
+    consumer = P2PConnectorWorker("d", "fp", None, None)
+    producer.register_kv_caches(torch.randn(shape))
+    consumer.register_kv_caches(torch.zeros(shape))
+    addr = f"tcp://127.0.0.1:{port}" if use_tcp else ipc_path(port)
+    best = 0.0
+    for trial in range(3):
+        rid = f"r{trial}"
+        producer.start_load_kv(P2PMetadata(sends=[SendSpec(rid, list(range(num_blocks)), num_blocks * BLOCK,
+                                                           time.monotonic() + 60)]))
+        start = time.perf_counter()
+        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, list(range(8, 8 + num_blocks)),
+                                                           time.monotonic() + 60)]))
+        while True:
+            out = consumer.get_finished()
+            if out.finished_recving or out.failed_recving:
+                break
+            time.sleep(0.0005)
+        elapsed = time.perf_counter() - start
+        assert out.finished_recving == {rid}, out.failure_reasons
+        best = max(best, num_blocks * producer.bytes_per_block / elapsed / 1e9)
+    assert torch.equal(consumer.kv[:, :, 8:8 + num_blocks], producer.kv[:, :, :num_blocks])
+    producer.shutdown()
+    consumer.shutdown()
+    return best
+
+
+def stream_latency(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    start = time.perf_counter()
+    ttft, last, itls = None, None, []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=300, json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - start
+            else:
+                itls.append(now - last)
+            last = now
+    return ttft, itls
+
+
+def serving(model: str | None, lengths: list[int], requests: int) -> list[tuple]:
+    from engine.worker.loader import resolve_model
+
+    args = ["--kv-cache-memory", "1GiB"]
+    model_dir = str(resolve_model(model))
+    colocated = ServerProcess(model_dir, *args)
+    cluster = Disagg(model_dir, *args)
+    rows = []
+    try:
+        for n in lengths:
+            stats = {}
+            for name, url in (("colocated", colocated.url), ("P->D", cluster.url)):
+                stream_latency(url, [100 + i for i in range(n)], 4)  # warm-up at this length
+                ttfts, itls = [], []
+                for r in range(requests):
+                    prompt = [1000 + (r * 7919 + i * 31) % 40000 for i in range(n)]  # distinct, no prefix hits
+                    ttft, gaps = stream_latency(url, prompt, 16)
+                    ttfts.append(ttft)
+                    itls += gaps
+                stats[name] = (statistics.median(ttfts), statistics.median(itls))
+            rows.append((n, *stats["colocated"], *stats["P->D"]))
+            print(f"prompt {n}: colocated TTFT {stats['colocated'][0] * 1e3:.0f} ms, "
+                  f"P->D {stats['P->D'][0] * 1e3:.0f} ms", flush=True)
+    finally:
+        cluster.stop()
+        colocated.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--skip-serving", action="store_true")
+    args = parser.parse_args()
+
+    num_blocks = 2048 // BLOCK  # the KV of a 2048-token SmolLM2 prompt: 94 MB
+    nbytes = num_blocks * 2 * LAYERS * BLOCK * HEADS * HEAD_DIM * 4
+    mem, tcp = memcpy_gbps(nbytes), raw_tcp_gbps(nbytes)
+    ipc_conn, tcp_conn = connector_gbps(num_blocks, use_tcp=False), connector_gbps(num_blocks, use_tcp=True)
+    print(f"\nKV of a 2048-token prompt ({nbytes / 1e6:.0f} MB), best of 3:\n")
+    print("| path | GB/s | ratio |")
+    print("|---|---|---|")
+    print(f"| torch memcpy | {mem:.2f} | |")
+    print(f"| raw zmq TCP loopback | {tcp:.2f} | |")
+    print(f"| connector, same host (ipc) | {ipc_conn:.2f} | {ipc_conn / mem:.0%} of memcpy |")
+    print(f"| connector, TCP loopback | {tcp_conn:.2f} | {tcp_conn / tcp:.0%} of raw TCP |")
+
+    if not args.skip_serving:
+        rows = serving(args.model, args.lengths, args.requests)
+        print("\n| prompt tokens | colocated TTFT ms | P->D TTFT ms | overhead | colocated ITL ms | P->D ITL ms |")
+        print("|---|---|---|---|---|---|")
+        for n, c_ttft, c_itl, d_ttft, d_itl in rows:
+            print(f"| {n} | {c_ttft * 1e3:.0f} | {d_ttft * 1e3:.0f} | {(d_ttft - c_ttft) / c_ttft:+.1%} | "
+                  f"{c_itl * 1e3:.1f} | {d_itl * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
