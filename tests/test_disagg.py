@@ -177,3 +177,22 @@ def test_proxy_reports_a_dead_prefill(tiny_llama):
     finally:
         proxy.stop()
         decode.stop()
+
+
+def test_client_disconnect_through_the_proxy(pd):
+    """FAULTS 9 via the proxy: leaving mid-stream or mid non-stream aborts the request on D, and
+    neither P nor D keeps any block (the autouse check waits for both to be idle)."""
+    with httpx.stream("POST", f"{pd.url}/v1/completions", timeout=30, json={
+            "prompt": "a long answer please", "max_tokens": 600, "stream": True, "ignore_eos": True}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                break
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{pd.url}/v1/completions", timeout=1.0, json={
+            "prompt": "another long answer", "max_tokens": 600, "ignore_eos": True})
+    pd.wait_idle()
+    metrics = pd.decode.metrics()
+    aborts = [line for line in metrics.splitlines()
+              if line.startswith("engine:request_success_total") and 'finished_reason="abort"' in line]
+    assert aborts and float(aborts[0].rsplit(" ", 1)[1]) == 2
