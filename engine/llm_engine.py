@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
 from engine.kv_transfer.p2p_worker import DEFAULT_CHUNK_BYTES, P2PConnectorWorker
 from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
@@ -101,6 +102,8 @@ class LLMEngine:
             self.runner.set_connector(P2PConnectorWorker(self.engine_id, self.fingerprint, transfer.kv_ip, port))
         elif transfer is not None and transfer.kv_connector is not None:
             raise ValueError(f"unknown kv_connector {transfer.kv_connector!r}; available: p2p")
+        else:
+            self.runner.set_connector(NoOpConnectorWorker())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector)
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:

@@ -33,7 +33,8 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 120.0) -> None:
+    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 120.0,
+                 env: dict | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "entrypoints.cli", "serve", *args, "--port", str(self.port)]
@@ -42,7 +43,7 @@ class ServerProcess:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"engine-serve-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -80,6 +81,16 @@ class ServerProcess:
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=5).text
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine core: a crash, no cleanup."""
+        for pid in (self.proc.pid, self.engine_pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+        self.log.close()
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, then check that the server and its engine core both exited in time."""

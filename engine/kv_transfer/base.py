@@ -10,6 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import torch
+
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request
 
@@ -49,6 +51,10 @@ class KVConnectorScheduler(ABC):
 
 class KVConnectorWorker(ABC):
     """Worker half: moves bytes between the paged KV tensors and the outside."""
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The zero-filled paged KV tensor. A connector may place it where peers can reach it."""
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         """Called once with the paged KV tensors after they are allocated."""

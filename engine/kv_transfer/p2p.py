@@ -13,6 +13,7 @@ The last prompt token is always recomputed on the consumer, because its logits a
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class SendSpec:
     block_ids: list[int]
     num_tokens: int
     lease_deadline: float  # time.monotonic() of the engine-core process
+    # Test hook (only with ENGINE_ALLOW_KV_FAULTS=1): damage this transfer on purpose.
+    fault: str | None = None
 
 
 @dataclass(slots=True)
@@ -143,8 +146,9 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         # The prompt's KV is complete; the sampled token's is not (decode recomputes from it).
         num_tokens = request.num_prompt_tokens
         num_blocks = -(-num_tokens // self.block_size)
+        fault = params.get("inject_fault") if os.environ.get("ENGINE_ALLOW_KV_FAULTS") == "1" else None
         self._meta.sends.append(SendSpec(req_id, block_ids[:num_blocks], num_tokens,
-                                         time.monotonic() + self.lease_s))
+                                         time.monotonic() + self.lease_s, fault))
         return True, {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
                       "remote_kv_addr": self.advertised_addr, "remote_host_id": host_id(),
                       "remote_request_id": req_id, "num_tokens": num_tokens}

@@ -15,6 +15,7 @@ Wire format: frame 0 is a msgspec message; chunk data follows as one raw frame.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -48,6 +49,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     engine_id: str
     fingerprint: str
     message: str = ""
+    # Same-host fast path: the producer's KV tensor lives in this shared-memory file.
+    shm_path: str = ""
+    shm_shape: list[int] = []
 
 
 class Pull(msgspec.Struct, tag="pull"):
@@ -55,6 +59,24 @@ class Pull(msgspec.Struct, tag="pull"):
     request_id: str
     start_block: int
     num_blocks: int
+    shm: bool = False  # the consumer will copy straight out of the producer's shared KV tensor
+
+
+class ShmGrant(msgspec.Struct, tag="shm_grant"):
+    """The blocks to copy; they stay untouched until ShmDone (or the lease) ends the loan."""
+    transfer_id: str
+    block_ids: list[int]
+
+
+class ShmDone(msgspec.Struct, tag="shm_done"):
+    transfer_id: str
+    request_id: str
+
+
+class ShmAck(msgspec.Struct, tag="shm_ack"):
+    """ok=False: the lease ran out while the consumer copied, so the copy may be torn."""
+    transfer_id: str
+    ok: bool
 
 
 class Release(msgspec.Struct, tag="release"):
@@ -75,7 +97,43 @@ class Chunk(msgspec.Struct, tag="chunk"):
     crc32: int = 0
 
 
-WireMessage = Hello | HelloReply | Pull | Release | Chunk
+WireMessage = Hello | HelloReply | Pull | Release | Chunk | ShmGrant | ShmDone | ShmAck
+
+
+def _inject_fault(fault: str | None, header: Chunk, payload: memoryview) -> list[tuple[Chunk, memoryview]]:
+    """The chunk messages to put on the wire, damaged on purpose when a test asks for it:
+    the consumer must reject every one of these without writing a byte."""
+    if fault is None:
+        return [(header, payload)]
+    if fault.startswith("delay="):
+        time.sleep(float(fault.split("=", 1)[1]))
+        return [(header, payload)]
+    changed = msgspec.structs.replace
+    return {
+        "drop": [],
+        "truncate": [(header, payload[:payload.nbytes // 2])],
+        "duplicate": [(header, payload), (header, payload)],
+        "reorder": [(changed(header, seq=header.seq + 1), payload), (header, payload)],
+        "bad_dtype": [(changed(header, dtype="float16"), payload)],
+        "bad_shape": [(changed(header, shape=[*header.shape[:2], header.shape[2] + 1, *header.shape[3:]]), payload)],
+    }[fault]
+
+
+def _remove_stale_shm_files() -> None:
+    """KV files of producers that died without cleaning up (named engine-kv-<pid>-<id>)."""
+    for name in os.listdir("/dev/shm"):
+        if not name.startswith("engine-kv-"):
+            continue
+        try:
+            pid = int(name.split("-")[2])
+            os.kill(pid, 0)
+        except (ValueError, IndexError):
+            continue
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+        except PermissionError:
+            pass
 
 
 @dataclass(slots=True)
@@ -102,11 +160,26 @@ class P2PConnectorWorker(KVConnectorWorker):
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "transfers": 0, "seconds": [], "failures": {}}
         self._threads = [threading.Thread(target=self._pull_loop, name="kv-pull", daemon=True)]
         self.bind_ip, self.port = bind_ip, port
+        self.shm_path = ""
+        self._lent: dict[str, tuple[_Entry, str]] = {}  # request id -> (entry, transfer id) on shm loan
         if port is not None:
             self._threads.append(threading.Thread(target=self._serve_loop, name="kv-serve", daemon=True))
             self._server_ready = threading.Event()
 
     # ---- engine-facing -----------------------------------------------------------------
+    def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
+        """A producer on CPU keeps its KV in a shared-memory file: a decode instance on the same
+        host then copies blocks straight out of it (one memcpy-speed copy, no socket)."""
+        if self.port is None or torch.device(device).type != "cpu" or not os.path.isdir("/dev/shm"):
+            return super().allocate_kv_cache(shape, dtype, device)
+        _remove_stale_shm_files()
+        self.shm_path = f"/dev/shm/engine-kv-{os.getpid()}-{self.engine_id}"
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        # A new file reads as zeros, and its pages are only committed when written.
+        return torch.from_file(self.shm_path, shared=True, size=numel, dtype=dtype).view(shape)
+
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
         # kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv = kv_caches
@@ -151,6 +224,9 @@ class P2PConnectorWorker(KVConnectorWorker):
             if t.is_alive():
                 t.join(2)
         self._ctx.term()
+        if self.shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shm_path)
 
     # ---- producer ----------------------------------------------------------------------
     def _serve_loop(self) -> None:
@@ -173,8 +249,19 @@ class P2PConnectorWorker(KVConnectorWorker):
                         ok = msg.fingerprint == self.fingerprint and msg.version == PROTOCOL_VERSION
                         message = "" if ok else (f"incompatible KV peer: theirs {msg.fingerprint} (v{msg.version}), "
                                                  f"ours {self.fingerprint} (v{PROTOCOL_VERSION})")
-                        sock.send_multipart([identity, msgspec.msgpack.encode(
-                            HelloReply(ok, self.engine_id, self.fingerprint, message))])
+                        sock.send_multipart([identity, msgspec.msgpack.encode(HelloReply(
+                            ok, self.engine_id, self.fingerprint, message, self.shm_path,
+                            list(self.kv.shape) if self.shm_path else []))])
+                    elif isinstance(msg, Pull) and msg.shm and self.shm_path and not self._has_fault(msg):
+                        self._lend(sock, identity, msg)
+                    elif isinstance(msg, ShmDone):
+                        with self._lock:
+                            lent = self._lent.get(msg.request_id)
+                            ok = lent is not None and lent[1] == msg.transfer_id
+                            if ok:
+                                del self._lent[msg.request_id]
+                                self._done_sending.add(msg.request_id)
+                        sock.send_multipart([identity, msgspec.msgpack.encode(ShmAck(msg.transfer_id, ok))])
                     elif isinstance(msg, Pull):
                         self._send(sock, identity, msg)
                     elif isinstance(msg, Release):
@@ -185,12 +272,31 @@ class P2PConnectorWorker(KVConnectorWorker):
         finally:
             sock.close(linger=0)
 
+    def _has_fault(self, pull: Pull) -> bool:
+        with self._lock:
+            entry = self._buffer.get(pull.request_id)
+        return entry is not None and entry.spec.fault is not None
+
+    def _lend(self, sock, identity: bytes, pull: Pull) -> None:
+        with self._lock:
+            entry = self._buffer.pop(pull.request_id, None)
+            if entry is not None:
+                self._lent[pull.request_id] = (entry, pull.transfer_id)
+        if entry is None:
+            reply = Chunk(pull.transfer_id, "not_found", f"no KV held for {pull.request_id} (expired, sent or unknown)")
+        else:
+            reply = ShmGrant(pull.transfer_id, entry.spec.block_ids[pull.start_block:pull.start_block + pull.num_blocks])
+        sock.send_multipart([identity, msgspec.msgpack.encode(reply)])
+
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
             expired = [rid for rid, e in self._buffer.items() if e.spec.lease_deadline < now]
             for rid in expired:
                 del self._buffer[rid]
+                self._done_sending.add(rid)
+            for rid in [rid for rid, (e, _) in self._lent.items() if e.spec.lease_deadline < now]:
+                del self._lent[rid]  # a consumer copying now gets ok=False and discards its copy
                 self._done_sending.add(rid)
         for rid in expired:
             logger.warning("KV lease of %s expired before any decode pulled it; blocks freed", rid)
@@ -222,8 +328,13 @@ class P2PConnectorWorker(KVConnectorWorker):
                 header = Chunk(pull.transfer_id, "ok", seq=seq, num_chunks=num_chunks, first_block=seq * per_chunk,
                                num_blocks=len(ids), dtype=str(data.dtype).removeprefix("torch."),
                                shape=list(data.shape), nbytes=view.nbytes)
-                tracker = sock.send_multipart([identity, msgspec.msgpack.encode(header), view], copy=False,
-                                              track=True)
+                messages = _inject_fault(entry.spec.fault, header, view)
+                tracker = None
+                for h, payload in messages:
+                    tracker = sock.send_multipart([identity, msgspec.msgpack.encode(h), payload], copy=False,
+                                                  track=True)
+                if tracker is None:
+                    continue
                 # Backpressure: gather the next chunk while this one is on the wire, but never
                 # hold more than two chunks of staging memory.
                 if previous is not None:
@@ -250,11 +361,11 @@ class P2PConnectorWorker(KVConnectorWorker):
                 if isinstance(job, tuple):  # a release: fire and forget, the lease is the backstop
                     addr, remote_request_id = job
                     if addr not in peers:
-                        sock, error = self._connect(addr, time.monotonic() + 5)
-                        if sock is None:
+                        peer, error = self._connect(addr, time.monotonic() + 5)
+                        if peer is None:
                             continue
-                        peers[addr] = sock
-                    peers[addr].send(msgspec.msgpack.encode(Release(remote_request_id)))
+                        peers[addr] = peer
+                    peers[addr][0].send(msgspec.msgpack.encode(Release(remote_request_id)))
                     continue
                 error = self._load(job, peers)
                 with self._lock:
@@ -267,14 +378,15 @@ class P2PConnectorWorker(KVConnectorWorker):
                         self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
                 if error is not None:
                     logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
-                    sock = peers.pop(job.remote_addr, None)
-                    if sock is not None:  # drop anything queued or in flight on it
-                        sock.close(linger=0)
+                    peer = peers.pop(job.remote_addr, None)
+                    if peer is not None:  # drop anything queued or in flight on it
+                        peer[0].close(linger=0)
         finally:
-            for sock in peers.values():
+            for sock, _ in peers.values():
                 sock.close(linger=0)
 
-    def _connect(self, addr: str, deadline: float) -> tuple[zmq.Socket | None, str | None]:
+    def _connect(self, addr: str, deadline: float) -> tuple[tuple | None, str | None]:
+        """(socket, the peer's shared KV tensor or None), or an error."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(addr)
@@ -286,7 +398,22 @@ class P2PConnectorWorker(KVConnectorWorker):
         if not reply.ok:
             sock.close(linger=0)
             return None, f"incompatible: {reply.message}"
-        return sock, None
+        return (sock, self._map_peer_kv(addr, reply)), None
+
+    def _map_peer_kv(self, addr: str, reply: HelloReply) -> torch.Tensor | None:
+        if not (addr.startswith("ipc://") and reply.shm_path and os.path.exists(reply.shm_path)):
+            return None
+        shape = list(reply.shm_shape)
+        if len(shape) != self.kv.dim() or shape[:2] + shape[3:] != list(self.kv.shape[:2]) + self.block_shape:
+            return None
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        try:
+            return torch.from_file(reply.shm_path, shared=True, size=numel, dtype=self.kv.dtype).view(shape)
+        except (RuntimeError, OSError) as exc:
+            logger.warning("cannot map %s (%s); using the socket path", reply.shm_path, exc)
+            return None
 
     def _recv(self, sock, deadline: float, accept, req_id: str | None = None):
         """The next accepted message (with its raw frames), or an error string."""
@@ -309,25 +436,54 @@ class P2PConnectorWorker(KVConnectorWorker):
                 return (msg, frames) if req_id is not None else msg
 
     def _load(self, job: LoadSpec, peers: dict) -> str | None:
+        """Pull one request's KV into its blocks; None on success, else "<reason>: <detail>"."""
         addr = job.remote_addr
-        sock = peers.get(addr)
-        if sock is None:
-            sock, error = self._connect(addr, job.deadline)
-            if sock is None:
+        peer = peers.get(addr)
+        if peer is None:
+            peer, error = self._connect(addr, job.deadline)
+            if peer is None:
                 return error
-            peers[addr] = sock
+            peers[addr] = peer
+        sock, peer_kv = peer
         transfer_id = uuid.uuid4().hex
+        start = time.perf_counter()
         sock.send(msgspec.msgpack.encode(Pull(transfer_id, job.remote_request_id, job.start_block,
-                                              len(job.block_ids))))
+                                              len(job.block_ids), shm=peer_kv is not None)))
+        got = self._recv(sock, job.deadline, lambda m: getattr(m, "transfer_id", None) == transfer_id, job.req_id)
+        if isinstance(got, str):
+            return got
+        first, frames = got
+        if isinstance(first, ShmGrant):
+            error = self._copy_shm(sock, peer_kv, job, transfer_id, first)
+        elif isinstance(first, Chunk):  # the producer chose the socket path
+            error = self._receive_chunks(sock, job, transfer_id, first, frames)
+        else:
+            error = f"frame rejected: unexpected {type(first).__name__}"
+        if error is None:
+            with self._lock:
+                self.stats["bytes_received"] += len(job.block_ids) * self.bytes_per_block
+                self.stats["transfers"] += 1
+                self.stats["seconds"].append(time.perf_counter() - start)
+        return error
+
+    def _copy_shm(self, sock, peer_kv: torch.Tensor, job: LoadSpec, transfer_id: str, grant: ShmGrant) -> str | None:
+        if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer_kv.shape[2]:
+            return "frame rejected: bad shared-memory grant"
+        src = torch.tensor(grant.block_ids, dtype=torch.int64)
         dst = torch.tensor(job.block_ids, dtype=torch.int64, device=self.kv.device)
-        expected_seq, done_blocks, start = 0, 0, time.perf_counter()
+        self.kv.index_copy_(2, dst, peer_kv.index_select(2, src).to(self.kv.device))
+        sock.send(msgspec.msgpack.encode(ShmDone(transfer_id, job.remote_request_id)))
+        got = self._recv(sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
+                         job.req_id)
+        if isinstance(got, str):
+            return got
+        return None if got[0].ok else "timeout: the producer's lease ended during the copy"
+
+    def _receive_chunks(self, sock, job: LoadSpec, transfer_id: str, chunk: Chunk, frames) -> str | None:
+        dst = torch.tensor(job.block_ids, dtype=torch.int64, device=self.kv.device)
+        expected_seq, done_blocks = 0, 0
         dtype = str(self.kv.dtype).removeprefix("torch.")
         while True:
-            got = self._recv(sock, job.deadline, lambda m: isinstance(m, Chunk) and m.transfer_id == transfer_id,
-                             job.req_id)
-            if isinstance(got, str):
-                return got
-            chunk, frames = got
             if chunk.status != "ok":
                 return f"{chunk.status}: {chunk.message}"
             expected_shape = [self.kv.shape[0], 2, chunk.num_blocks, *self.block_shape]
@@ -347,13 +503,13 @@ class P2PConnectorWorker(KVConnectorWorker):
             raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
             data = raw.view(self.kv.dtype).view(expected_shape).to(self.kv.device)
             self.kv.index_copy_(2, dst[done_blocks:done_blocks + chunk.num_blocks], data)
-            self.stats["bytes_received"] += chunk.nbytes
             done_blocks += chunk.num_blocks
             expected_seq += 1
             if expected_seq == chunk.num_chunks:
-                if done_blocks != len(job.block_ids):
-                    return f"frame rejected: got {done_blocks} of {len(job.block_ids)} blocks"
-                with self._lock:
-                    self.stats["transfers"] += 1
-                    self.stats["seconds"].append(time.perf_counter() - start)
-                return None
+                return None if done_blocks == len(job.block_ids) else (
+                    f"frame rejected: got {done_blocks} of {len(job.block_ids)} blocks")
+            got = self._recv(sock, job.deadline, lambda m: isinstance(m, Chunk) and m.transfer_id == transfer_id,
+                             job.req_id)
+            if isinstance(got, str):
+                return got
+            chunk, frames = got

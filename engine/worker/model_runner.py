@@ -80,11 +80,7 @@ class ModelRunner:
                     time.perf_counter() - start)
 
         self.num_blocks = self._num_blocks(reserved_bytes)
-        cfg = self.model_config
-        shape = (cfg.num_layers, *self.backend.kv_cache_shape(self.num_blocks, self.block_size,
-                                                              cfg.num_kv_heads, cfg.head_dim))
-        # Zeroed, not empty: padded attention reads stale-but-finite values, never NaN.
-        self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches: torch.Tensor | None = None  # allocated by set_connector()
         self.connector: KVConnectorWorker = NoOpConnectorWorker()
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
@@ -96,7 +92,14 @@ class ModelRunner:
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def set_connector(self, connector: KVConnectorWorker) -> None:
+        """Allocate the paged KV tensors (where the connector wants them, e.g. in shared
+        memory a same-host peer can read) and hand them to the connector."""
+        cfg = self.model_config
+        shape = (cfg.num_layers, *self.backend.kv_cache_shape(self.num_blocks, self.block_size,
+                                                              cfg.num_kv_heads, cfg.head_dim))
         self.connector = connector
+        # Zeroed, not empty: padded attention reads stale-but-finite values, never NaN.
+        self.kv_caches = connector.allocate_kv_cache(shape, self.dtype, self.device)
         connector.register_kv_caches(self.kv_caches)
 
     def _num_blocks(self, reserved_bytes: int) -> int:
