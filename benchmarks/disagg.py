@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import threading
@@ -63,8 +64,9 @@ def raw_tcp_gbps(nbytes: int) -> float:
     return 4 * nbytes / elapsed / 1e9
 
 
-def connector_gbps(num_blocks: int, use_tcp: bool) -> float:
-    """Producer and consumer workers in one process, real sockets between them."""
+def connector_gbps(num_blocks: int, use_tcp: bool, scattered: bool = False) -> float:
+    """Producer and consumer workers in one process, real sockets between them. `scattered`
+    puts the destination blocks in random order, as a long-running pool hands them out."""
     shape = (LAYERS, 2, num_blocks + 8, BLOCK, HEADS, HEAD_DIM)
     port = free_port()
     producer = P2PConnectorWorker("p", "fp", "127.0.0.1", port)
@@ -80,9 +82,11 @@ def connector_gbps(num_blocks: int, use_tcp: bool) -> float:
         rid = f"r{trial}"
         producer.start_load_kv(P2PMetadata(sends=[SendSpec(rid, list(range(num_blocks)), num_blocks * BLOCK,
                                                            time.monotonic() + 60)]))
+        dst = list(range(8, 8 + num_blocks))
+        if scattered:
+            random.Random(trial).shuffle(dst)
         start = time.perf_counter()
-        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, list(range(8, 8 + num_blocks)),
-                                                           time.monotonic() + 60)]))
+        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, dst, time.monotonic() + 60)]))
         while True:
             out = consumer.get_finished()
             if out.finished_recving or out.failed_recving:
@@ -91,7 +95,7 @@ def connector_gbps(num_blocks: int, use_tcp: bool) -> float:
         elapsed = time.perf_counter() - start
         assert out.finished_recving == {rid}, out.failure_reasons
         best = max(best, num_blocks * producer.bytes_per_block / elapsed / 1e9)
-    assert torch.equal(consumer.kv[:, :, 8:8 + num_blocks], producer.kv[:, :, :num_blocks])
+    assert torch.equal(consumer.kv[:, :, dst], producer.kv[:, :, :num_blocks])
     producer.shutdown()
     consumer.shutdown()
     return best
@@ -155,12 +159,14 @@ def main() -> None:
     nbytes = num_blocks * 2 * LAYERS * BLOCK * HEADS * HEAD_DIM * 4
     mem, tcp = memcpy_gbps(nbytes), raw_tcp_gbps(nbytes)
     ipc_conn, tcp_conn = connector_gbps(num_blocks, use_tcp=False), connector_gbps(num_blocks, use_tcp=True)
+    shm_scattered = connector_gbps(num_blocks, use_tcp=False, scattered=True)
     print(f"\nKV of a 2048-token prompt ({nbytes / 1e6:.0f} MB), best of 3:\n")
     print("| path | GB/s | ratio |")
     print("|---|---|---|")
     print(f"| torch memcpy | {mem:.2f} | |")
     print(f"| raw zmq TCP loopback | {tcp:.2f} | |")
     print(f"| connector, same host (shared memory) | {ipc_conn:.2f} | {ipc_conn / mem:.0%} of memcpy |")
+    print(f"| connector, same host, scattered blocks | {shm_scattered:.2f} | {shm_scattered / mem:.0%} of memcpy |")
     print(f"| connector, TCP loopback | {tcp_conn:.2f} | {tcp_conn / tcp:.0%} of raw TCP |")
 
     if not args.skip_serving:

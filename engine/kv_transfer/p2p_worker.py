@@ -100,6 +100,17 @@ class Chunk(msgspec.Struct, tag="chunk"):
 WireMessage = Hello | HelloReply | Pull | Release | Chunk | ShmGrant | ShmDone | ShmAck
 
 
+def _contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) runs where both block lists advance by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
 def _inject_fault(fault: str | None, header: Chunk, payload: memoryview) -> list[tuple[Chunk, memoryview]]:
     """The chunk messages to put on the wire, damaged on purpose when a test asks for it:
     the consumer must reject every one of these without writing a byte."""
@@ -161,7 +172,8 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._threads = [threading.Thread(target=self._pull_loop, name="kv-pull", daemon=True)]
         self.bind_ip, self.port = bind_ip, port
         self.shm_path = ""
-        self._lent: dict[str, tuple[_Entry, str]] = {}  # request id -> (entry, transfer id) on shm loan
+        # request id -> (entry, transfer id, blocks granted) while a same-host consumer copies
+        self._lent: dict[str, tuple[_Entry, str, int]] = {}
         if port is not None:
             self._threads.append(threading.Thread(target=self._serve_loop, name="kv-serve", daemon=True))
             self._server_ready = threading.Event()
@@ -261,6 +273,7 @@ class P2PConnectorWorker(KVConnectorWorker):
                             if ok:
                                 del self._lent[msg.request_id]
                                 self._done_sending.add(msg.request_id)
+                                self.stats["bytes_sent"] += lent[2] * self.bytes_per_block
                         sock.send_multipart([identity, msgspec.msgpack.encode(ShmAck(msg.transfer_id, ok))])
                     elif isinstance(msg, Pull):
                         self._send(sock, identity, msg)
@@ -281,7 +294,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         with self._lock:
             entry = self._buffer.pop(pull.request_id, None)
             if entry is not None:
-                self._lent[pull.request_id] = (entry, pull.transfer_id)
+                self._lent[pull.request_id] = (entry, pull.transfer_id, pull.num_blocks)
         if entry is None:
             reply = Chunk(pull.transfer_id, "not_found", f"no KV held for {pull.request_id} (expired, sent or unknown)")
         else:
@@ -295,7 +308,7 @@ class P2PConnectorWorker(KVConnectorWorker):
             for rid in expired:
                 del self._buffer[rid]
                 self._done_sending.add(rid)
-            for rid in [rid for rid, (e, _) in self._lent.items() if e.spec.lease_deadline < now]:
+            for rid in [rid for rid, (e, _, _) in self._lent.items() if e.spec.lease_deadline < now]:
                 del self._lent[rid]  # a consumer copying now gets ok=False and discards its copy
                 self._done_sending.add(rid)
         for rid in expired:
@@ -469,9 +482,9 @@ class P2PConnectorWorker(KVConnectorWorker):
     def _copy_shm(self, sock, peer_kv: torch.Tensor, job: LoadSpec, transfer_id: str, grant: ShmGrant) -> str | None:
         if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer_kv.shape[2]:
             return "frame rejected: bad shared-memory grant"
-        src = torch.tensor(grant.block_ids, dtype=torch.int64)
-        dst = torch.tensor(job.block_ids, dtype=torch.int64, device=self.kv.device)
-        self.kv.index_copy_(2, dst, peer_kv.index_select(2, src).to(self.kv.device))
+        # One copy per run of consecutive blocks, straight from the peer's tensor into ours.
+        for src, dst, n in _contiguous_runs(grant.block_ids, job.block_ids):
+            self.kv[:, :, dst:dst + n].copy_(peer_kv[:, :, src:src + n])
         sock.send(msgspec.msgpack.encode(ShmDone(transfer_id, job.remote_request_id)))
         got = self._recv(sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
                          job.req_id)
