@@ -30,6 +30,7 @@ from tests.server_utils import ServerProcess, free_port  # noqa: E402
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32 -> 737 KB per 16-token block.
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+MIXED_SECONDS = 40.0
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -118,6 +119,40 @@ def stream_latency(url: str, prompt: list[int], max_tokens: int) -> tuple[float,
     return ttft, itls
 
 
+def mixed_load(url: str, seconds: float, long_len: int = 2048, every: float = 4.0) -> tuple[float, float]:
+    """Short streams decode continuously while a long prompt arrives every `every` seconds.
+    Returns (median, p99) inter-token latency of the short streams."""
+    stop = time.monotonic() + seconds
+    itls: list[float] = []
+    lock = threading.Lock()
+
+    def short_streams(worker: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            prompt = [2000 + (worker * 1000 + i * 37 + j) % 40000 for j in range(96)]
+            _, gaps = stream_latency(url, prompt, 48)
+            with lock:
+                itls.extend(gaps)
+            i += 1
+
+    def long_prompts() -> None:
+        i = 0
+        while time.monotonic() < stop:
+            prompt = [5000 + (i * 7919 + j * 13) % 40000 for j in range(long_len)]
+            threading.Thread(target=stream_latency, args=(url, prompt, 1), daemon=True).start()
+            i += 1
+            time.sleep(every)
+
+    threads = [threading.Thread(target=short_streams, args=(w,)) for w in range(4)]
+    threads.append(threading.Thread(target=long_prompts))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    itls.sort()
+    return statistics.median(itls), itls[int(0.99 * (len(itls) - 1))]
+
+
 def serving(model: str | None, lengths: list[int], requests: int) -> list[tuple]:
     from engine.worker.loader import resolve_model
 
@@ -141,6 +176,9 @@ def serving(model: str | None, lengths: list[int], requests: int) -> list[tuple]
             rows.append((n, *stats["colocated"], *stats["P->D"]))
             print(f"prompt {n}: colocated TTFT {stats['colocated'][0] * 1e3:.0f} ms, "
                   f"P->D {stats['P->D'][0] * 1e3:.0f} ms", flush=True)
+        mixed = {name: mixed_load(url, MIXED_SECONDS) for name, url in
+                 (("colocated", colocated.url), ("P->D", cluster.url))}
+        rows.append(("mixed", mixed))
     finally:
         cluster.stop()
         colocated.stop()
@@ -173,9 +211,16 @@ def main() -> None:
         rows = serving(args.model, args.lengths, args.requests)
         print("\n| prompt tokens | colocated TTFT ms | P->D TTFT ms | overhead | colocated ITL ms | P->D ITL ms |")
         print("|---|---|---|---|---|---|")
+        mixed = rows.pop()[1]
         for n, c_ttft, c_itl, d_ttft, d_itl in rows:
             print(f"| {n} | {c_ttft * 1e3:.0f} | {d_ttft * 1e3:.0f} | {(d_ttft - c_ttft) / c_ttft:+.1%} | "
                   f"{c_itl * 1e3:.1f} | {d_itl * 1e3:.1f} |")
+        print(f"\nMixed load ({MIXED_SECONDS:.0f} s: 4 short streams decoding while a 2048-token prompt "
+              "arrives every 4 s), ITL of the short streams:\n")
+        print("| setup | median ITL ms | p99 ITL ms |")
+        print("|---|---|---|")
+        for name, (median, p99) in mixed.items():
+            print(f"| {name} | {median * 1e3:.1f} | {p99 * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -196,3 +196,34 @@ def test_client_disconnect_through_the_proxy(pd):
     aborts = [line for line in metrics.splitlines()
               if line.startswith("engine:request_success_total") and 'finished_reason="abort"' in line]
     assert aborts and float(aborts[0].rsplit(" ", 1)[1]) == 2
+
+
+def test_smollm2_p_to_d_equals_colocated(smollm2_dir):
+    """The real default model: a 2k-token prompt, a short one, and chat through the proxy equal
+    the colocated engine's greedy output; nothing stays held on P or D."""
+    from tests.conftest import assert_engine_idle
+    llm = LLM(num_blocks=400)
+    rng = random.Random(2)
+    long_prompt = [rng.randrange(100, 49152) for _ in range(2048)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want_long = llm.generate(long_prompt, params, use_tqdm=False)[0].outputs[0].text
+    want_short = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    want_chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    assert_engine_idle(llm)
+    del llm
+    cluster = Disagg(str(smollm2_dir), "--num-blocks", "400", "--served-model-name", "smol")
+    try:
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
+        resp = client.completions.create(model="smol", prompt=long_prompt, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == want_long
+        assert resp.usage.prompt_tokens_details.cached_tokens == 2047
+        resp = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == want_short
+        chat = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0)
+        assert chat.choices[0].message.content == want_chat
+        cluster.wait_idle()
+    finally:
+        cluster.stop()

@@ -189,8 +189,11 @@ class P2PConnectorWorker(KVConnectorWorker):
         numel = 1
         for dim in shape:
             numel *= dim
-        # A new file reads as zeros, and its pages are only committed when written.
-        return torch.from_file(self.shm_path, shared=True, size=numel, dtype=dtype).view(shape)
+        kv = torch.from_file(self.shm_path, shared=True, size=numel, dtype=dtype).view(shape)
+        # Commit the pages now (a new file reads as zeros but faults on first write), so the
+        # forward pass never pays for page faults, as with the private zeroed tensor.
+        kv.zero_()
+        return kv
 
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
         # kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
