@@ -84,7 +84,7 @@ class LLMEngine:
         transfer = config.kv_transfer_config
         uses_p2p = transfer is not None and transfer.kv_connector == "p2p"
         self.runner = ModelRunner(config, model_dir, self.eos_token_ids,
-                                  reserved_bytes=DEFAULT_CHUNK_BYTES if uses_p2p else 0)
+                                  reserved_bytes=2 * DEFAULT_CHUNK_BYTES if uses_p2p else 0)
         # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
         self.fingerprint = (f"{loader.model_fingerprint(model_dir)}:{self.runner.dtype}:"
                             f"bs{config.block_size}:{self.runner.backend.name}:[L,2,N,bs,H,D]")

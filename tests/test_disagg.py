@@ -227,3 +227,19 @@ def test_smollm2_p_to_d_equals_colocated(smollm2_dir):
         cluster.wait_idle()
     finally:
         cluster.stop()
+
+
+def test_proxy_skips_a_dead_prefill_and_spreads_load(pd, colocated):
+    """Several upstreams: a dead prefill URL is skipped for a live one; the answer is still right."""
+    from tests.disagg_utils import ProxyProcess
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = ProxyProcess([dead, pd.prefill.url], [pd.decode.url], "--policy", "round-robin")
+    try:
+        want = colocated.generate("two prefills", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].text
+        for _ in range(3):  # round robin starts at each prefill in turn; the dead one is skipped
+            resp = httpx.post(f"{proxy.url}/v1/completions", timeout=60, json={
+                "prompt": "two prefills", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
+    finally:
+        proxy.stop()
