@@ -65,6 +65,13 @@ class Proxy:
             headers["Authorization"] = raw.headers["authorization"]
         return headers
 
+    def _upstream_error(self, role: str, upstream: Upstream, exc: httpx.HTTPError) -> JSONResponse:
+        if isinstance(exc, httpx.ConnectError):
+            return error_response(502, f"{role} {upstream.url} unreachable: {exc}")
+        if isinstance(exc, httpx.TimeoutException):
+            return error_response(504, f"{role} {upstream.url} did not answer within {self.timeout:.0f}s")
+        return error_response(502, f"{role} {upstream.url} failed: {type(exc).__name__}: {exc}")
+
     async def prefill(self, path: str, body: dict, headers: dict) -> dict | JSONResponse:
         """Run the prompt on a prefill instance; returns its kv_transfer_params or an error."""
         p_body = {**body, "max_tokens": 1, "stream": False, "n": 1,
@@ -78,12 +85,10 @@ class Proxy:
             try:
                 resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
             except httpx.ConnectError as exc:  # down: try the next prefill instance
-                last_error = error_response(502, f"prefill {upstream.url} unreachable: {exc}")
+                last_error = self._upstream_error("prefill", upstream, exc)
                 continue
-            except httpx.TimeoutException:
-                return error_response(504, f"prefill {upstream.url} did not answer within {self.timeout:.0f}s")
             except httpx.HTTPError as exc:
-                return error_response(502, f"prefill {upstream.url} failed: {type(exc).__name__}: {exc}")
+                return self._upstream_error("prefill", upstream, exc)
             finally:
                 upstream.in_flight -= 1
             if resp.status_code != 200:
@@ -119,10 +124,8 @@ class Proxy:
         upstream.in_flight += 1
         try:
             resp = await self.http.post(f"{upstream.url}{path}", json=body, headers=headers)
-        except httpx.TimeoutException:
-            return error_response(504, f"decode {upstream.url} did not answer within {self.timeout:.0f}s")
         except httpx.HTTPError as exc:
-            return error_response(502, f"decode {upstream.url} failed: {type(exc).__name__}: {exc}")
+            return self._upstream_error("decode", upstream, exc)
         finally:
             upstream.in_flight -= 1
         if resp.status_code != 200:
@@ -138,8 +141,7 @@ class Proxy:
                                                                 headers=headers), stream=True)
         except httpx.HTTPError as exc:
             upstream.in_flight -= 1
-            status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-            return error_response(status, f"decode {upstream.url} failed: {type(exc).__name__}: {exc}")
+            return self._upstream_error("decode", upstream, exc)
         if resp.status_code != 200:
             await resp.aread()
             await resp.aclose()

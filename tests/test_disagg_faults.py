@@ -5,6 +5,7 @@ wrong dtype or shape in the header. The decode instance must reject every damage
 without writing it, then recompute (correct output, failure counted) or fail the request."""
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -19,8 +20,11 @@ PROMPT = [random.Random(5).randrange(3, 49152) for _ in range(70)]  # 5 blocks o
 
 @pytest.fixture(scope="module")
 def prefill(tiny_llama):
-    srv = ServerProcess(str(tiny_llama), *ARGS, "--role", "prefill", "--kv-port", str(free_port()),
-                        "--kv-lease-s", "5", env={"ENGINE_ALLOW_KV_FAULTS": "1"})
+    # Configured the vLLM way, with --kv-transfer-config instead of --role/--kv-port.
+    config = {"kv_connector": "p2p", "kv_role": "kv_producer", "kv_port": free_port(),
+              "kv_connector_extra_config": {"lease_s": 5}}
+    srv = ServerProcess(str(tiny_llama), *ARGS, "--kv-transfer-config", json.dumps(config),
+                        env={"ENGINE_ALLOW_KV_FAULTS": "1"})
     yield srv
     srv.stop()
 

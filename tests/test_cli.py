@@ -1,0 +1,45 @@
+"""CLI flag handling that needs no model: --role / --kv-transfer-config."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from entrypoints.cli import kv_transfer_config
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(kv_transfer_config=None, role="both", kv_ip=None, host="127.0.0.1", kv_port=None,
+                kv_load_failure_policy="recompute", kv_lease_s=30.0, kv_load_timeout_s=30.0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_roles_map_to_connector_configs():
+    assert kv_transfer_config(_args()) is None
+    p = kv_transfer_config(_args(role="prefill", kv_lease_s=5.0))
+    assert (p.kv_connector, p.kv_role, p.kv_port, p.extra["lease_s"]) == ("p2p", "kv_producer", 14579, 5.0)
+    d = kv_transfer_config(_args(role="decode", kv_load_failure_policy="fail"))
+    assert (d.kv_role, d.kv_port, d.kv_load_failure_policy) == ("kv_consumer", None, "fail")
+
+
+def test_json_config_vllm_style():
+    c = kv_transfer_config(_args(kv_transfer_config='{"kv_connector": "p2p", "kv_role": "kv_consumer", '
+                                                   '"kv_connector_extra_config": {"load_timeout_s": 3}}'))
+    assert (c.kv_role, c.extra) == ("kv_consumer", {"load_timeout_s": 3})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        kv_transfer_config(_args(kv_transfer_config="{oops"))
+    with pytest.raises(ValueError, match="unknown keys"):
+        kv_transfer_config(_args(kv_transfer_config='{"kv_buffer_sise": 1}'))
+    with pytest.raises(ValueError, match="kv_role"):
+        kv_transfer_config(_args(kv_transfer_config='{"kv_connector": "p2p", "kv_role": "leader"}'))
+
+
+def test_serve_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "-m", "entrypoints.cli", "serve", "--help"], capture_output=True,
+                         text=True, timeout=60).stdout
+    for flag in ["--block-size", "--kv-cache-memory", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--max-model-len", "--dtype", "--seed", "--served-model-name", "--api-key", "--max-queue-len",
+                 "--role", "--kv-port", "--kv-transfer-config", "--kv-load-failure-policy"]:
+        assert flag in out, flag
