@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -162,23 +163,25 @@ def serving(model: str | None, lengths: list[int], requests: int) -> list[tuple]
     cluster = Disagg(model_dir, *args)
     rows = []
     try:
+        targets = (("colocated", colocated.url), ("P->D", cluster.url))
         for n in lengths:
-            stats = {}
-            for name, url in (("colocated", colocated.url), ("P->D", cluster.url)):
+            for _, url in targets:
                 stream_latency(url, [100 + i for i in range(n)], 4)  # warm-up at this length
-                ttfts, itls = [], []
-                for r in range(requests):
-                    prompt = [1000 + (r * 7919 + i * 31) % 40000 for i in range(n)]  # distinct, no prefix hits
+            ttfts: dict[str, list[float]] = {name: [] for name, _ in targets}
+            itls: dict[str, list[float]] = {name: [] for name, _ in targets}
+            for r in range(requests):
+                # Interleaved, so drift in this machine's speed hits both setups alike.
+                prompt = [1000 + (r * 7919 + i * 31) % 40000 for i in range(n)]  # distinct: no prefix hits
+                for name, url in targets:
                     ttft, gaps = stream_latency(url, prompt, 16)
-                    ttfts.append(ttft)
-                    itls += gaps
-                stats[name] = (statistics.median(ttfts), statistics.median(itls))
+                    ttfts[name].append(ttft)
+                    itls[name] += gaps
+            stats = {name: (statistics.median(ttfts[name]), statistics.median(itls[name])) for name, _ in targets}
             rows.append((n, *stats["colocated"], *stats["P->D"]))
             print(f"prompt {n}: colocated TTFT {stats['colocated'][0] * 1e3:.0f} ms, "
                   f"P->D {stats['P->D'][0] * 1e3:.0f} ms", flush=True)
-        mixed = {name: mixed_load(url, MIXED_SECONDS) for name, url in
-                 (("colocated", colocated.url), ("P->D", cluster.url))}
-        rows.append(("mixed", mixed))
+        if MIXED_SECONDS > 0:
+            rows.append(("mixed", {name: mixed_load(url, MIXED_SECONDS) for name, url in targets}))
     finally:
         cluster.stop()
         colocated.stop()
@@ -191,34 +194,42 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--skip-serving", action="store_true")
+    parser.add_argument("--mixed-seconds", type=float, default=MIXED_SECONDS,
+                        help="duration of the mixed-load ITL run per setup (0 skips it)")
     args = parser.parse_args()
+    globals()["MIXED_SECONDS"] = args.mixed_seconds
 
     num_blocks = 2048 // BLOCK  # the KV of a 2048-token SmolLM2 prompt: 94 MB
     nbytes = num_blocks * 2 * LAYERS * BLOCK * HEADS * HEAD_DIM * 4
     mem, tcp = memcpy_gbps(nbytes), raw_tcp_gbps(nbytes)
     ipc_conn, tcp_conn = connector_gbps(num_blocks, use_tcp=False), connector_gbps(num_blocks, use_tcp=True)
+    os.environ["ENGINE_KV_SHM"] = "1"
+    shm_conn = connector_gbps(num_blocks, use_tcp=False)
     shm_scattered = connector_gbps(num_blocks, use_tcp=False, scattered=True)
+    del os.environ["ENGINE_KV_SHM"]
     print(f"\nKV of a 2048-token prompt ({nbytes / 1e6:.0f} MB), best of 3:\n")
     print("| path | GB/s | ratio |")
     print("|---|---|---|")
     print(f"| torch memcpy | {mem:.2f} | |")
     print(f"| raw zmq TCP loopback | {tcp:.2f} | |")
-    print(f"| connector, same host (shared memory) | {ipc_conn:.2f} | {ipc_conn / mem:.0%} of memcpy |")
-    print(f"| connector, same host, scattered blocks | {shm_scattered:.2f} | {shm_scattered / mem:.0%} of memcpy |")
+    print(f"| connector, same host, ipc socket (default) | {ipc_conn:.2f} | {ipc_conn / mem:.0%} of memcpy |")
+    print(f"| connector, same host, shared memory (ENGINE_KV_SHM=1) | {shm_conn:.2f} | {shm_conn / mem:.0%} of memcpy |")
+    print(f"| same, fully scattered destination blocks | {shm_scattered:.2f} | {shm_scattered / mem:.0%} of memcpy |")
     print(f"| connector, TCP loopback | {tcp_conn:.2f} | {tcp_conn / tcp:.0%} of raw TCP |")
 
     if not args.skip_serving:
         rows = serving(args.model, args.lengths, args.requests)
         print("\n| prompt tokens | colocated TTFT ms | P->D TTFT ms | overhead | colocated ITL ms | P->D ITL ms |")
         print("|---|---|---|---|---|---|")
-        mixed = rows.pop()[1]
+        mixed = rows.pop()[1] if rows and rows[-1][0] == "mixed" else {}
         for n, c_ttft, c_itl, d_ttft, d_itl in rows:
             print(f"| {n} | {c_ttft * 1e3:.0f} | {d_ttft * 1e3:.0f} | {(d_ttft - c_ttft) / c_ttft:+.1%} | "
                   f"{c_itl * 1e3:.1f} | {d_itl * 1e3:.1f} |")
-        print(f"\nMixed load ({MIXED_SECONDS:.0f} s: 4 short streams decoding while a 2048-token prompt "
-              "arrives every 4 s), ITL of the short streams:\n")
-        print("| setup | median ITL ms | p99 ITL ms |")
-        print("|---|---|---|")
+        if mixed:
+            print(f"\nMixed load ({MIXED_SECONDS:.0f} s: 4 short streams decoding while a 2048-token prompt "
+                  "arrives every 4 s), ITL of the short streams:\n")
+            print("| setup | median ITL ms | p99 ITL ms |")
+            print("|---|---|---|")
         for name, (median, p99) in mixed.items():
             print(f"| {name} | {median * 1e3:.1f} | {p99 * 1e3:.1f} |")
 

@@ -172,3 +172,25 @@ def test_decode_killed_after_prefill(tiny_llama):
     finally:
         cluster.proxy.stop()
         cluster.prefill.stop()
+
+
+def test_shared_memory_path(tiny_llama, expected):
+    """ENGINE_KV_SHM=1: the producer's KV lives in /dev/shm and a same-host decode copies the
+    granted blocks straight out of it; the file is removed when the producer stops."""
+    import glob
+    prefill = ServerProcess(str(tiny_llama), *ARGS, "--role", "prefill", "--kv-port", str(free_port()),
+                            env={"ENGINE_KV_SHM": "1"})
+    decode = ServerProcess(str(tiny_llama), *ARGS, "--role", "decode")
+    try:
+        files = glob.glob(f"/dev/shm/engine-kv-{prefill.engine_pid}-*")
+        assert len(files) == 1
+        resp = _decode(decode, _prefill(prefill, None))
+        assert resp.json()["choices"][0]["text"] == expected
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) - 1
+        assert prefill.status()["kv_transfer"]["bytes"] > 0 and not _failures(decode)
+        prefill.wait_idle()
+        decode.wait_idle()
+    finally:
+        decode.stop()
+        prefill.stop()
+    assert not glob.glob(files[0])
