@@ -26,6 +26,8 @@ logger = logging.getLogger("engine.core")
 
 IDLE_POLL_MS = 100
 STATS_INTERVAL_S = 1.0
+# Only waiting on transfers (nothing scheduled): check on them this often instead of spinning.
+WAIT_POLL_MS = 2
 
 
 class EngineCore:
@@ -65,6 +67,11 @@ class EngineCore:
             choices.append(ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs))
         return RequestDelta(out.request_id, choices, out.finished, out.num_cached_tokens, out.kv_transfer_params,
                             out.error, out.queue_time)
+
+    def queue_state(self) -> tuple[int, int, int, int]:
+        scheduler = self.engine.scheduler
+        return (scheduler.num_running, scheduler.num_waiting, len(scheduler.held),
+                self.engine.kv_cache_manager.pool.num_free_blocks)
 
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
@@ -119,11 +126,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
 def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    last_stats = 0.0
+    last_stats, last_state = 0.0, None
     while True:
         busy = core.engine.has_unfinished_requests()
         # Waiting only for remote KV (nothing was scheduled): poll briefly instead of spinning.
-        timeout = IDLE_POLL_MS if not busy else (0 if core.engine.last_num_scheduled_tokens else 2)
+        timeout = IDLE_POLL_MS if not busy else (0 if core.engine.last_num_scheduled_tokens else WAIT_POLL_MS)
         while poller.poll(timeout):
             msg = decoder.decode(pull.recv())
             timeout = 0
@@ -147,6 +154,9 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
                                                     + traceback.format_exc(limit=3))))
                 raise SystemExit(1)
         now = time.monotonic()
-        if deltas or now - last_stats > STATS_INTERVAL_S or busy:
+        # Stats go out with every output, when the queues change, and once a second otherwise:
+        # never once per spin while only waiting on a transfer (that flood costs a core).
+        state = core.queue_state()
+        if deltas or state != last_state or now - last_stats > STATS_INTERVAL_S:
             push.send(encoder.encode(Outputs(deltas, core.stats())))
-            last_stats = now
+            last_stats, last_state = now, state
