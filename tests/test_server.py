@@ -308,7 +308,8 @@ def test_fault13_flood_beyond_queue_limit(tiny_llama):
 
         responses = asyncio.run(flood())
         codes = [r.status_code for r in responses]
-        assert codes.count(503) >= 1 and codes.count(200) >= 3, codes
+        # The queue holds 2; more may be admitted as the running slot frees up, never fewer.
+        assert codes.count(503) >= 1 and codes.count(200) >= 2, codes
         assert set(codes) <= {200, 503}
         for r in responses:
             if r.status_code == 503:
