@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -147,11 +146,6 @@ def _remove_stale_shm_files() -> None:
             pass
 
 
-@dataclass(slots=True)
-class _Entry:
-    spec: SendSpec
-
-
 class P2PConnectorWorker(KVConnectorWorker):
     def __init__(self, engine_id: str, fingerprint: str, bind_ip: str | None, port: int | None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
@@ -160,7 +154,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         self.chunk_bytes = chunk_bytes
         self.kv: torch.Tensor | None = None
         self._lock = threading.Lock()
-        self._buffer: dict[str, _Entry] = {}
+        self._buffer: dict[str, SendSpec] = {}  # the lookup buffer: request id -> KV on offer
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed: dict[str, str] = {}
@@ -168,12 +162,12 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._jobs: queue.Queue[LoadSpec | tuple[str, str]] = queue.Queue()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self.stats = {"bytes_sent": 0, "bytes_received": 0, "transfers": 0, "seconds": [], "failures": {}}
+        self.stats = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}}
         self._threads = [threading.Thread(target=self._pull_loop, name="kv-pull", daemon=True)]
         self.bind_ip, self.port = bind_ip, port
         self.shm_path = ""
         # request id -> (entry, transfer id, blocks granted) while a same-host consumer copies
-        self._lent: dict[str, tuple[_Entry, str, int]] = {}
+        self._lent: dict[str, tuple[SendSpec, str, int]] = {}
         if port is not None:
             self._threads.append(threading.Thread(target=self._serve_loop, name="kv-serve", daemon=True))
             self._server_ready = threading.Event()
@@ -214,7 +208,7 @@ class P2PConnectorWorker(KVConnectorWorker):
             return
         with self._lock:
             for spec in metadata.sends:
-                self._buffer[spec.req_id] = _Entry(spec)
+                self._buffer[spec.req_id] = spec
             self._cancelled.update(metadata.cancels)
         for spec in metadata.loads:
             self._jobs.put(spec)
@@ -231,11 +225,6 @@ class P2PConnectorWorker(KVConnectorWorker):
         with self._lock:
             seconds, self.stats["seconds"] = self.stats["seconds"], []
             return (self.stats["bytes_sent"] + self.stats["bytes_received"], dict(self.stats["failures"]), seconds)
-
-    @property
-    def num_held(self) -> int:
-        with self._lock:
-            return len(self._buffer)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -295,7 +284,7 @@ class P2PConnectorWorker(KVConnectorWorker):
     def _has_fault(self, pull: Pull) -> bool:
         with self._lock:
             entry = self._buffer.get(pull.request_id)
-        return entry is not None and entry.spec.fault is not None
+        return entry is not None and entry.fault is not None
 
     def _lend(self, sock, identity: bytes, pull: Pull) -> None:
         with self._lock:
@@ -305,17 +294,17 @@ class P2PConnectorWorker(KVConnectorWorker):
         if entry is None:
             reply = Chunk(pull.transfer_id, "not_found", f"no KV held for {pull.request_id} (expired, sent or unknown)")
         else:
-            reply = ShmGrant(pull.transfer_id, entry.spec.block_ids[pull.start_block:pull.start_block + pull.num_blocks])
+            reply = ShmGrant(pull.transfer_id, entry.block_ids[pull.start_block:pull.start_block + pull.num_blocks])
         sock.send_multipart([identity, msgspec.msgpack.encode(reply)])
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [rid for rid, e in self._buffer.items() if e.spec.lease_deadline < now]
+            expired = [rid for rid, e in self._buffer.items() if e.lease_deadline < now]
             for rid in expired:
                 del self._buffer[rid]
                 self._done_sending.add(rid)
-            for rid in [rid for rid, (e, _, _) in self._lent.items() if e.spec.lease_deadline < now]:
+            for rid in [rid for rid, (e, _, _) in self._lent.items() if e.lease_deadline < now]:
                 del self._lent[rid]  # a consumer copying now gets ok=False and discards its copy
                 self._done_sending.add(rid)
         for rid in expired:
@@ -329,11 +318,11 @@ class P2PConnectorWorker(KVConnectorWorker):
                 pull.transfer_id, "not_found", f"no KV held for {pull.request_id} (expired, sent or unknown)"))])
             return
         try:
-            blocks = entry.spec.block_ids[pull.start_block:pull.start_block + pull.num_blocks]
+            blocks = entry.block_ids[pull.start_block:pull.start_block + pull.num_blocks]
             if len(blocks) != pull.num_blocks:
                 sock.send_multipart([identity, msgspec.msgpack.encode(Chunk(
                     pull.transfer_id, "error", f"asked for {pull.num_blocks} blocks from {pull.start_block}, "
-                                               f"held {len(entry.spec.block_ids)}"))])
+                                               f"held {len(entry.block_ids)}"))])
                 return
             per_chunk = max(1, self.chunk_bytes // self.bytes_per_block)
             num_chunks = -(-len(blocks) // per_chunk)
@@ -348,7 +337,7 @@ class P2PConnectorWorker(KVConnectorWorker):
                 header = Chunk(pull.transfer_id, "ok", seq=seq, num_chunks=num_chunks, first_block=seq * per_chunk,
                                num_blocks=len(ids), dtype=str(data.dtype).removeprefix("torch."),
                                shape=list(data.shape), nbytes=view.nbytes)
-                messages = _inject_fault(entry.spec.fault, header, view)
+                messages = _inject_fault(entry.fault, header, view)
                 tracker = None
                 for h, payload in messages:
                     tracker = sock.send_multipart([identity, msgspec.msgpack.encode(h), payload], copy=False,
@@ -482,7 +471,6 @@ class P2PConnectorWorker(KVConnectorWorker):
         if error is None:
             with self._lock:
                 self.stats["bytes_received"] += len(job.block_ids) * self.bytes_per_block
-                self.stats["transfers"] += 1
                 self.stats["seconds"].append(time.perf_counter() - start)
         return error
 
