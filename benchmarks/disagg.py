@@ -70,10 +70,10 @@ def connector_gbps(num_blocks: int, use_tcp: bool, scattered: bool = False) -> f
     """Producer and consumer workers in one process, real sockets between them. `scattered`
     puts the destination blocks in random order, as a long-running pool hands them out."""
     shape = (LAYERS, 2, num_blocks + 8, BLOCK, HEADS, HEAD_DIM)
+    # Allocated as the engine does: the producer's KV lives in shared memory unless ENGINE_KV_SHM=0.
     port = free_port()
     producer = P2PConnectorWorker("p", "fp", "127.0.0.1", port)
     consumer = P2PConnectorWorker("d", "fp", None, None)
-    # Allocated as the engine does: the producer's KV lives in shared memory.
     producer_kv = producer.allocate_kv_cache(shape, torch.float32, torch.device("cpu"))
     producer_kv.copy_(torch.randn(shape))
     producer.register_kv_caches(producer_kv)
@@ -203,18 +203,18 @@ def main() -> None:
     nbytes = num_blocks * 2 * LAYERS * BLOCK * HEADS * HEAD_DIM * 4
     mem, tcp = memcpy_gbps(nbytes), raw_tcp_gbps(nbytes)
     ipc_conn, tcp_conn = connector_gbps(num_blocks, use_tcp=False), connector_gbps(num_blocks, use_tcp=True)
-    os.environ["ENGINE_KV_SHM"] = "1"
-    shm_conn = connector_gbps(num_blocks, use_tcp=False)
-    shm_scattered = connector_gbps(num_blocks, use_tcp=False, scattered=True)
+    ipc_scattered = connector_gbps(num_blocks, use_tcp=False, scattered=True)
+    os.environ["ENGINE_KV_SHM"] = "0"
+    ipc_socket = connector_gbps(num_blocks, use_tcp=False)
     del os.environ["ENGINE_KV_SHM"]
     print(f"\nKV of a 2048-token prompt ({nbytes / 1e6:.0f} MB), best of 3:\n")
     print("| path | GB/s | ratio |")
     print("|---|---|---|")
     print(f"| torch memcpy | {mem:.2f} | |")
     print(f"| raw zmq TCP loopback | {tcp:.2f} | |")
-    print(f"| connector, same host, ipc socket (default) | {ipc_conn:.2f} | {ipc_conn / mem:.0%} of memcpy |")
-    print(f"| connector, same host, shared memory (ENGINE_KV_SHM=1) | {shm_conn:.2f} | {shm_conn / mem:.0%} of memcpy |")
-    print(f"| same, fully scattered destination blocks | {shm_scattered:.2f} | {shm_scattered / mem:.0%} of memcpy |")
+    print(f"| connector, same host (shared-memory KV, default) | {ipc_conn:.2f} | {ipc_conn / mem:.0%} of memcpy |")
+    print(f"| same, fully scattered destination blocks | {ipc_scattered:.2f} | {ipc_scattered / mem:.0%} of memcpy |")
+    print(f"| same host, ipc socket (ENGINE_KV_SHM=0) | {ipc_socket:.2f} | {ipc_socket / mem:.0%} of memcpy |")
     print(f"| connector, TCP loopback | {tcp_conn:.2f} | {tcp_conn / tcp:.0%} of raw TCP |")
 
     if not args.skip_serving:

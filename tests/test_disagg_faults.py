@@ -174,16 +174,16 @@ def test_decode_killed_after_prefill(tiny_llama):
         cluster.prefill.stop()
 
 
-def test_shared_memory_path(tiny_llama, expected):
-    """ENGINE_KV_SHM=1: the producer's KV lives in /dev/shm and a same-host decode copies the
-    granted blocks straight out of it; the file is removed when the producer stops."""
+def test_same_host_shared_memory(tiny_llama, expected):
+    """By default the producer's KV lives in /dev/shm (mode 0600) and a same-host decode copies
+    the lent blocks straight out of it; the file is removed when the producer stops."""
     import glob
-    prefill = ServerProcess(str(tiny_llama), *ARGS, "--role", "prefill", "--kv-port", str(free_port()),
-                            env={"ENGINE_KV_SHM": "1"})
+    import os
+    prefill = ServerProcess(str(tiny_llama), *ARGS, "--role", "prefill", "--kv-port", str(free_port()))
     decode = ServerProcess(str(tiny_llama), *ARGS, "--role", "decode")
     try:
         files = glob.glob(f"/dev/shm/engine-kv-{prefill.engine_pid}-*")
-        assert len(files) == 1
+        assert len(files) == 1 and os.stat(files[0]).st_mode & 0o777 == 0o600
         resp = _decode(decode, _prefill(prefill, None))
         assert resp.json()["choices"][0]["text"] == expected
         assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) - 1

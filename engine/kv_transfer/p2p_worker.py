@@ -11,6 +11,17 @@ may add a CRC32, which is then verified too); anything else (late, duplicate, re
 truncated frames, or frames for a cancelled transfer) is dropped. A failed peer socket is
 closed and re-created, so stale state never survives into the next handshake.
 
+Same host: the producer's KV tensor lives in a /dev/shm file (when /dev/shm has room). A
+consumer on the same host maps it and, on a pull, is lent the blocks (``ShmGrant``): it copies
+them straight into its own blocks (one memcpy, no socket bytes) and returns the loan
+(``ShmDone``). The producer keeps the blocks until then, or until the lease ends; in that case
+it answers ``ShmAck(ok=False)`` and the consumer discards what it copied.
+
+Socket path (other hosts, or no shared memory): the producer gathers each chunk of scattered
+blocks into one of two slots of a private staging buffer, counted in the KV budget, and sends
+the slot as a zero-copy frame; it gathers chunk k+1 while chunk k is on the wire and reuses a
+slot only after zmq has released it (backpressure instead of growth).
+
 Wire format: frame 0 is a msgspec message; chunk data follows as one raw frame.
 """
 from __future__ import annotations
@@ -110,6 +121,17 @@ def _contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int
     return runs
 
 
+def _released(tracker: zmq.MessageTracker | None, timeout: float = 30.0) -> bool:
+    """Whether zmq is done with a zero-copy frame (its memory may be reused)."""
+    if tracker is None:
+        return True
+    try:
+        tracker.wait(timeout)
+        return True
+    except zmq.NotDone:
+        return False
+
+
 def _inject_fault(fault: str | None, header: Chunk, payload: memoryview) -> list[tuple[Chunk, memoryview]]:
     """The chunk messages to put on the wire, damaged on purpose when a test asks for it:
     the consumer must reject every one of these without writing a byte."""
@@ -162,10 +184,11 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._jobs: queue.Queue[LoadSpec | tuple[str, str]] = queue.Queue()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self.stats = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}}
+        self.stats = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}, "shm_loads": 0}
         self._threads = [threading.Thread(target=self._pull_loop, name="kv-pull", daemon=True)]
         self.bind_ip, self.port = bind_ip, port
         self.shm_path = ""
+        self._staging: torch.Tensor | None = None  # uint8 [2 * slot_bytes], producers only
         # request id -> (entry, transfer id, blocks granted) while a same-host consumer copies
         self._lent: dict[str, tuple[SendSpec, str, int]] = {}
         if port is not None:
@@ -174,23 +197,30 @@ class P2PConnectorWorker(KVConnectorWorker):
 
     # ---- engine-facing -----------------------------------------------------------------
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
-        """With ENGINE_KV_SHM=1 a producer on CPU keeps its KV in a shared-memory file: a decode
-        instance on the same host then copies blocks straight out of it (one memcpy-speed copy,
-        no socket). Otherwise same-host peers use the ipc socket."""
-        # Opt-in: transfers get ~10x faster, but the producer's forward passes run ~10% slower on
-        # a tmpfs-backed KV tensor (measured on a 2-core VM), which costs more TTFT than it saves.
+        """A producer on CPU keeps its KV in a shared-memory file that same-host consumers map
+        (measured: no slower for the forward pass than private memory). ENGINE_KV_SHM=0, a
+        non-CPU device or too little room in /dev/shm keep it private (peers use the socket)."""
+        nbytes = dtype.itemsize
+        for dim in shape:
+            nbytes *= dim
         if (self.port is None or torch.device(device).type != "cpu" or not os.path.isdir("/dev/shm")
-                or os.environ.get("ENGINE_KV_SHM", "0") != "1"):
+                or os.environ.get("ENGINE_KV_SHM", "1") == "0"):
             return super().allocate_kv_cache(shape, dtype, device)
         _remove_stale_shm_files()
-        self.shm_path = f"/dev/shm/engine-kv-{os.getpid()}-{self.engine_id}"
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        kv = torch.from_file(self.shm_path, shared=True, size=numel, dtype=dtype).view(shape)
-        # Commit the pages now (a new file reads as zeros but faults on first write), so the
-        # forward pass never pays for page faults, as with the private zeroed tensor.
-        kv.zero_()
+        stat = os.statvfs("/dev/shm")
+        if nbytes > 0.9 * stat.f_bavail * stat.f_frsize:  # a full tmpfs would SIGBUS on first touch
+            logger.warning("/dev/shm has %.1f GiB free, too little for the %.1f GiB KV cache: same-host "
+                           "peers will use the socket", stat.f_bavail * stat.f_frsize / 2**30, nbytes / 2**30)
+            return super().allocate_kv_cache(shape, dtype, device)
+        path = f"/dev/shm/engine-kv-{os.getpid()}-{self.engine_id}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # KV is private to this user
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.shm_path = path
+        kv = torch.from_file(path, shared=True, size=nbytes // dtype.itemsize, dtype=dtype).view(shape)
+        kv.zero_()  # commit the pages now, so no forward pass pays for page faults
         return kv
 
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
@@ -198,6 +228,10 @@ class P2PConnectorWorker(KVConnectorWorker):
         self.kv = kv_caches
         self.block_shape = list(kv_caches.shape[3:])
         self.bytes_per_block = kv_caches[:, :, 0].numel() * kv_caches.element_size()
+        self.blocks_per_chunk = max(1, self.chunk_bytes // self.bytes_per_block)
+        self.slot_bytes = self.blocks_per_chunk * self.bytes_per_block
+        if self.port is not None:  # socket sends gather into two slots of this buffer
+            self._staging = torch.empty(2 * self.slot_bytes, dtype=torch.uint8)
         for t in self._threads:
             t.start()
         if self.port is not None and not self._server_ready.wait(10):
@@ -324,39 +358,47 @@ class P2PConnectorWorker(KVConnectorWorker):
                     pull.transfer_id, "error", f"asked for {pull.num_blocks} blocks from {pull.start_block}, "
                                                f"held {len(entry.block_ids)}"))])
                 return
-            per_chunk = max(1, self.chunk_bytes // self.bytes_per_block)
-            num_chunks = -(-len(blocks) // per_chunk)
             start = time.perf_counter()
-            previous = None
-            for seq in range(num_chunks):
-                ids = blocks[seq * per_chunk:(seq + 1) * per_chunk]
-                # data: [num_layers, 2, len(ids), block_size, num_kv_heads, head_dim], contiguous
-                data = self.kv.index_select(2, torch.tensor(ids, dtype=torch.int64, device=self.kv.device)).cpu()
-                view = memoryview(data.numpy()).cast("B") if data.dtype != torch.bfloat16 else \
-                    memoryview(data.view(torch.int16).numpy()).cast("B")
-                header = Chunk(pull.transfer_id, "ok", seq=seq, num_chunks=num_chunks, first_block=seq * per_chunk,
-                               num_blocks=len(ids), dtype=str(data.dtype).removeprefix("torch."),
-                               shape=list(data.shape), nbytes=view.nbytes)
-                messages = _inject_fault(entry.fault, header, view)
-                tracker = None
-                for h, payload in messages:
-                    tracker = sock.send_multipart([identity, msgspec.msgpack.encode(h), payload], copy=False,
-                                                  track=True)
-                if tracker is None:
-                    continue
-                # Backpressure: gather the next chunk while this one is on the wire, but never
-                # hold more than two chunks of staging memory.
-                if previous is not None:
-                    previous.wait(30)
-                previous = tracker
-                self.stats["bytes_sent"] += view.nbytes
-            if previous is not None:
-                previous.wait(30)
-            with self._lock:
-                self.stats["seconds"].append(time.perf_counter() - start)
+            if self._send_chunks(sock, identity, pull.transfer_id, blocks, entry.fault):
+                with self._lock:
+                    self.stats["seconds"].append(time.perf_counter() - start)
         finally:
             with self._lock:
                 self._done_sending.add(pull.request_id)
+
+    def _send_chunks(self, sock, identity: bytes, transfer_id: str, blocks: list[int], fault: str | None) -> bool:
+        """Gather chunk k into slot k % 2 once zmq has released the slot's previous chunk.
+        False: the wire stalled and the transfer was abandoned."""
+        per_chunk = self.blocks_per_chunk
+        num_chunks = -(-len(blocks) // per_chunk)
+        in_flight: list[zmq.MessageTracker | None] = [None, None]
+        for seq in range(num_chunks):
+            slot = seq % 2
+            if not _released(in_flight[slot]):
+                return False
+            ids = blocks[seq * per_chunk:(seq + 1) * per_chunk]
+            data = self._gather(ids, slot)  # [num_layers, 2, len(ids), block_size, heads, head_dim]
+            payload = memoryview(self._staging[slot * self.slot_bytes:][:len(ids) * self.bytes_per_block].numpy())
+            header = Chunk(transfer_id, "ok", seq=seq, num_chunks=num_chunks, first_block=seq * per_chunk,
+                           num_blocks=len(ids), dtype=str(data.dtype).removeprefix("torch."),
+                           shape=list(data.shape), nbytes=payload.nbytes)
+            in_flight[slot] = None
+            for h, frame in _inject_fault(fault, header, payload):
+                in_flight[slot] = sock.send_multipart([identity, msgspec.msgpack.encode(h), frame],
+                                                      copy=False, track=True)
+            with self._lock:
+                self.stats["bytes_sent"] += payload.nbytes
+        return all(_released(tracker) for tracker in in_flight)
+
+    def _gather(self, ids: list[int], slot: int) -> torch.Tensor:
+        shape = [self.kv.shape[0], 2, len(ids), *self.block_shape]
+        out = self._staging[slot * self.slot_bytes:][:len(ids) * self.bytes_per_block].view(self.kv.dtype).view(shape)
+        index = torch.tensor(ids, dtype=torch.int64, device=self.kv.device)
+        if self.kv.device.type == "cpu":
+            torch.index_select(self.kv, 2, index, out=out)
+        else:
+            out.copy_(self.kv.index_select(2, index))
+        return out
 
     # ---- consumer ----------------------------------------------------------------------
     def _pull_loop(self) -> None:
@@ -470,6 +512,7 @@ class P2PConnectorWorker(KVConnectorWorker):
             error = f"frame rejected: unexpected {type(first).__name__}"
         if error is None:
             with self._lock:
+                self.stats["shm_loads"] += isinstance(first, ShmGrant)
                 self.stats["bytes_received"] += len(job.block_ids) * self.bytes_per_block
                 self.stats["seconds"].append(time.perf_counter() - start)
         return error
@@ -477,15 +520,18 @@ class P2PConnectorWorker(KVConnectorWorker):
     def _copy_shm(self, sock, peer_kv: torch.Tensor, job: LoadSpec, transfer_id: str, grant: ShmGrant) -> str | None:
         if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer_kv.shape[2]:
             return "frame rejected: bad shared-memory grant"
-        # One copy per run of consecutive blocks, straight from the peer's tensor into ours.
-        for src, dst, n in _contiguous_runs(grant.block_ids, job.block_ids):
-            self.kv[:, :, dst:dst + n].copy_(peer_kv[:, :, src:src + n])
+        self._copy_blocks(peer_kv, grant.block_ids, job.block_ids)
         sock.send(msgspec.msgpack.encode(ShmDone(transfer_id, job.remote_request_id)))
         got = self._recv(sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
                          job.req_id)
         if isinstance(got, str):
             return got
         return None if got[0].ok else "timeout: the producer's lease ended during the copy"
+
+    def _copy_blocks(self, peer_kv: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """One copy per run of consecutive blocks, straight from the peer's tensor into ours."""
+        for src, dst, n in _contiguous_runs(src_blocks, dst_blocks):
+            self.kv[:, :, dst:dst + n].copy_(peer_kv[:, :, src:src + n])
 
     def _receive_chunks(self, sock, job: LoadSpec, transfer_id: str, chunk: Chunk, frames) -> str | None:
         dst = torch.tensor(job.block_ids, dtype=torch.int64, device=self.kv.device)
