@@ -94,6 +94,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     attention_backend: str = "auto"
     kv_transfer_config: KVTransferConfig | None = None
+    # KV cache tiers, fastest first: "cpu:4GiB,disk:/var/cache/engine-kv:20GiB,redis://host:6379/0".
+    kv_store: str | None = None
+    kv_chunk_tokens: int = 256  # tokens per stored chunk, a multiple of block_size
+    kv_store_ttl_s: int = 24 * 3600  # Redis entries expire after this long without a write
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -104,5 +108,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.kv_chunk_tokens, int) or self.kv_chunk_tokens < 1 or \
+                self.kv_chunk_tokens % self.block_size:
+            raise ValueError(f"kv_chunk_tokens must be a positive multiple of block_size ({self.block_size}), "
+                             f"got {self.kv_chunk_tokens!r}")
+        if not isinstance(self.kv_store_ttl_s, int) or self.kv_store_ttl_s < 1:
+            raise ValueError(f"kv_store_ttl_s must be a positive integer, got {self.kv_store_ttl_s!r}")
         self.cache = CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching)
         self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)

@@ -18,7 +18,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.ipc import (Ack, AbortRequests, AddRequest, ChoiceDelta, EngineDead, EngineInfo, EngineStats,
-                        Outputs, RequestDelta, Shutdown, ToCore)
+                        Outputs, RequestDelta, Shutdown, TierStats, ToCore)
 from engine.llm_engine import LLMEngine, OutputKind
 from engine.outputs import RequestOutput
 
@@ -80,6 +80,7 @@ class EngineCore:
         return EngineStats(
             kv_blocks_held=sum(len(kv.get_block_ids(r)) for r in scheduler.held),
             kv_transfer_bytes=moved, kv_transfer_failures=failures, kv_transfer_seconds=seconds,
+            kv_store={tier: TierStats(**t) for tier, t in self.engine.runner.connector.store_stats().items()},
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks, kv_cache_usage=kv.usage,

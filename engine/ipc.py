@@ -69,6 +69,15 @@ class RequestDelta(msgspec.Struct):
     queue_time: float | None = None
 
 
+class TierStats(msgspec.Struct):
+    hits: int = 0  # chunks loaded from this tier
+    misses: int = 0  # chunks looked up here and not found
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    used_bytes: int = 0
+    load_seconds: list[float] = []  # since the previous stats message
+
+
 class EngineStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
@@ -86,6 +95,7 @@ class EngineStats(msgspec.Struct):
     kv_transfer_failures: dict[str, int] = {}
     # Durations of transfers that completed since the previous stats message.
     kv_transfer_seconds: list[float] = []
+    kv_store: dict[str, TierStats] = {}  # per KV store tier ("cpu", "disk", "redis")
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

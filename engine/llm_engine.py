@@ -18,6 +18,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
 from engine.kv_transfer.p2p_worker import DEFAULT_CHUNK_BYTES, P2PConnectorWorker
+from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
+from engine.kv_transfer.tiered import TieredConnectorScheduler, TieredConnectorWorker, TieredStore
 from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -92,6 +94,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         connector = None
+        if uses_p2p and config.kv_store:
+            raise ValueError("--kv-store cannot be combined with --role prefill/decode yet: use one or the other "
+                             "(both instances pointed at one Redis also disaggregate prefill)")
         if uses_p2p:
             self.engine_id = uuid.uuid4().hex[:12]
             port = transfer.kv_port if transfer.kv_role in ("kv_producer", "kv_both") else None
@@ -100,6 +105,8 @@ class LLMEngine:
             connector = P2PConnectorScheduler(transfer, self.engine_id, port and f"tcp://{transfer.kv_ip}:{port}",
                                               config.block_size)
             self.runner.set_connector(P2PConnectorWorker(self.engine_id, self.fingerprint, transfer.kv_ip, port))
+        elif config.kv_store:
+            connector = self._tiered_connector(config)
         elif transfer is not None and transfer.kv_connector is not None:
             raise ValueError(f"unknown kv_connector {transfer.kv_connector!r}; available: p2p")
         else:
@@ -114,6 +121,17 @@ class LLMEngine:
         self.last_num_scheduled_tokens = 0
         self._states: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
+
+    def _tiered_connector(self, config: EngineConfig) -> TieredConnectorScheduler:
+        cfg = self.runner.model_config
+        blocks_per_chunk = config.kv_chunk_tokens // config.block_size
+        fmt = ChunkFormat(self.fingerprint, self.runner.dtype,
+                          (cfg.num_layers, 2, blocks_per_chunk, config.block_size, cfg.num_kv_heads, cfg.head_dim))
+        tiers = TieredStore(parse_store_spec(config.kv_store, fmt, config.kv_store_ttl_s))
+        logger.info("KV store tiers: %s (%d-token chunks of %.1f MiB)", ", ".join(s.name for s in tiers.stores),
+                    config.kv_chunk_tokens, fmt.nbytes / 2**20)
+        self.runner.set_connector(TieredConnectorWorker(tiers))
+        return TieredConnectorScheduler(tiers, config.block_size, config.kv_chunk_tokens)
 
     def _eos_token_ids(self, hf_config: dict, gen_config: dict) -> frozenset[int]:
         ids: set[int] = set()

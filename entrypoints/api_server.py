@@ -421,6 +421,9 @@ def build_app(server: OpenAIServer) -> FastAPI:
                               "cached": stats.num_cached_blocks, "in_use": stats.num_blocks - stats.num_free_blocks},
                 "num_preemptions": stats.num_preemptions,
                 "kv_transfer": {"blocks_held": stats.kv_blocks_held, "bytes": stats.kv_transfer_bytes,
-                                "failures": stats.kv_transfer_failures}}
+                                "failures": stats.kv_transfer_failures},
+                "kv_store": {tier: {"hits": t.hits, "misses": t.misses, "bytes_stored": t.bytes_stored,
+                                    "bytes_loaded": t.bytes_loaded, "used_bytes": t.used_bytes}
+                             for tier, t in stats.kv_store.items()}}
 
     return app

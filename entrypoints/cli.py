@@ -24,13 +24,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--kv-store", default=None, metavar="SPEC",
+                        help="KV cache tiers in lookup order, comma-separated: cpu:SIZE, disk:PATH:SIZE, "
+                             "redis://host:port/db (also rediss://, unix://), e.g. "
+                             "cpu:2GiB,disk:./kvcache:10GiB,redis://127.0.0.1:6379/0")
+    parser.add_argument("--kv-chunk-tokens", type=int, default=256,
+                        help="tokens per stored KV chunk, a multiple of --block-size (default 256)")
+    parser.add_argument("--kv-store-ttl-s", type=int, default=24 * 3600,
+                        help="expiry of Redis KV entries in seconds (default 86400)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                dtype=args.dtype, device=args.device, seed=args.seed)
+                dtype=args.dtype, device=args.device, seed=args.seed, kv_store=args.kv_store,
+                kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Sequence
 
 from tqdm import tqdm
@@ -19,12 +20,25 @@ class LLM:
 
     ``LLM()`` loads the default model (SmolLM2-135M-Instruct). Keyword arguments follow vLLM:
     block_size, kv_cache_memory ("2GiB" or bytes) or num_blocks, max_num_seqs,
-    max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, seed.
+    max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, seed, and
+    kv_store ("cpu:4GiB,disk:/path:20GiB,redis://host:6379/0"), kv_chunk_tokens, kv_store_ttl_s.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
+        # Stops the connector's threads and flushes pending KV store writes, at shutdown() or
+        # when this object goes away (process exit included).
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -54,6 +54,22 @@ class _EngineStatsCollector:
         for reason, count in sorted(s.kv_transfer_failures.items()):
             failures.add_metric([self.model_name, reason], count)
         yield failures
+        tier_counters = [
+            ("engine:kv_store_hits", "KV chunks loaded from a store tier.", "hits"),
+            ("engine:kv_store_misses", "KV chunks looked up in a store tier and not found.", "misses"),
+            ("engine:kv_store_stored_bytes", "KV bytes written to a store tier.", "bytes_stored"),
+            ("engine:kv_store_loaded_bytes", "KV bytes loaded from a store tier.", "bytes_loaded"),
+        ]
+        for name, doc, field in tier_counters:
+            c = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+            for tier, t in sorted(s.kv_store.items()):
+                c.add_metric([self.model_name, tier], getattr(t, field))
+            yield c
+        used = GaugeMetricFamily("engine:kv_store_used_bytes", "Bytes a KV store tier holds.",
+                                 labels=["model_name", "tier"])
+        for tier, t in sorted(s.kv_store.items()):
+            used.add_metric([self.model_name, tier], t.used_bytes)
+        yield used
 
 
 class ServerMetrics:
@@ -71,6 +87,9 @@ class ServerMetrics:
         self.queue_time = hist("engine:request_queue_time_seconds",
                                "Time from arrival until the engine accepted the request.")
         self.kv_transfer_seconds = hist("engine:kv_transfer_seconds", "Duration of one KV transfer.")
+        self.kv_store_load_seconds = Histogram("engine:kv_store_load_seconds", "Time to load one KV chunk.",
+                                               ["model_name", "tier"], buckets=_LATENCY_BUCKETS,
+                                               registry=self.registry)
         self.success = Counter("engine:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
 
@@ -89,6 +108,9 @@ class ServerMetrics:
     def observe_stats(self, stats: EngineStats) -> None:
         for seconds in stats.kv_transfer_seconds:
             self.kv_transfer_seconds.labels(self.model_name).observe(seconds)
+        for tier, t in stats.kv_store.items():
+            for seconds in t.load_seconds:
+                self.kv_store_load_seconds.labels(self.model_name, tier).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

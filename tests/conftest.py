@@ -112,3 +112,51 @@ def assert_engine_idle(llm) -> None:
     assert pool.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert not engine.kv_cache_manager.req_to_blocks
+
+
+class RedisServer:
+    """A real redis-server of our own on a free port (never a shared one), restartable on the
+    same port to test a server that goes away and comes back."""
+
+    def __init__(self, tmp_dir: Path) -> None:
+        import shutil
+        from tests.server_utils import free_port
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed (apt install redis-server; .ci/run does this)")
+        self.port = free_port()
+        self.dir = tmp_dir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        import subprocess
+        import time
+        import redis
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    yield server
+    server.kill()

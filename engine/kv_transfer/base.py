@@ -16,6 +16,17 @@ from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request
 
 
+def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) runs where both block lists advance by one: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
 class KVConnectorScheduler(ABC):
     """Scheduler half. Never touches tensors or sockets."""
 
@@ -75,6 +86,11 @@ class KVConnectorWorker(ABC):
     def transfer_stats(self) -> tuple[int, dict[str, int], list[float]]:
         """(bytes moved so far, failures by reason so far, durations since the last call)."""
         return 0, {}, []
+
+    def store_stats(self) -> dict[str, dict]:
+        """Per KV store tier: hits, misses, bytes_stored, bytes_loaded, used_bytes (totals so
+        far) and load_seconds (since the last call)."""
+        return {}
 
 
 class NoOpConnectorScheduler(KVConnectorScheduler):

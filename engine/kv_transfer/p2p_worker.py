@@ -39,7 +39,7 @@ import msgspec
 import torch
 import zmq
 
-from engine.kv_transfer.base import KVConnectorWorker
+from engine.kv_transfer.base import KVConnectorWorker, contiguous_runs
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, SendSpec, ipc_path
 from engine.outputs import KVConnectorOutput
 
@@ -108,17 +108,6 @@ class Chunk(msgspec.Struct, tag="chunk"):
 
 
 WireMessage = Hello | HelloReply | Pull | Release | Chunk | ShmGrant | ShmDone | ShmAck
-
-
-def _contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) runs where both block lists advance by one."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 def _released(tracker: zmq.MessageTracker | None, timeout: float = 30.0) -> bool:
@@ -530,7 +519,7 @@ class P2PConnectorWorker(KVConnectorWorker):
 
     def _copy_blocks(self, peer_kv: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """One copy per run of consecutive blocks, straight from the peer's tensor into ours."""
-        for src, dst, n in _contiguous_runs(src_blocks, dst_blocks):
+        for src, dst, n in contiguous_runs(src_blocks, dst_blocks):
             self.kv[:, :, dst:dst + n].copy_(peer_kv[:, :, src:src + n])
 
     def _receive_chunks(self, sock, job: LoadSpec, transfer_id: str, chunk: Chunk, frames) -> str | None:

@@ -1,0 +1,62 @@
+"""CPU-memory tier: an LRU of chunk tensors under a byte cap. Pinned chunks are not evicted."""
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from engine.kv_transfer.stores.base import ChunkFormat, KVStore
+
+
+class CPUStore(KVStore):
+    name = "cpu"
+
+    def __init__(self, capacity_bytes: int, fmt: ChunkFormat) -> None:
+        super().__init__(fmt)
+        self.capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._chunks: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()  # LRU first
+        self._pins: collections.Counter[str] = collections.Counter()
+        self._used = 0
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._chunks for k in keys]
+
+    def get(self, key: str) -> torch.Tensor | None:
+        with self._lock:
+            kv = self._chunks.get(key)
+            if kv is not None:
+                self._chunks.move_to_end(key)
+        return kv  # entries are never written in place, so a reader needs no lock
+
+    def put(self, key: str, kv: torch.Tensor) -> None:
+        nbytes = kv.numel() * kv.element_size()
+        if nbytes > self.capacity:
+            return
+        with self._lock:
+            if key in self._chunks:
+                self._chunks.move_to_end(key)
+                return
+            for victim in [k for k in self._chunks if not self._pins[k]]:
+                if self._used + nbytes <= self.capacity:
+                    break
+                self._used -= self._chunks.pop(victim).numel() * kv.element_size()
+            if self._used + nbytes > self.capacity:
+                return  # everything left is pinned by loads in flight
+            self._chunks[key] = kv
+            self._used += nbytes
+        self.count(bytes_stored=nbytes)
+
+    def pin(self, keys: list[str]) -> None:
+        with self._lock:
+            self._pins.update(keys)
+
+    def unpin(self, keys: list[str]) -> None:
+        with self._lock:
+            self._pins.subtract(keys)
+            self._pins = +self._pins  # drop zero counts
+
+    def used_bytes(self) -> int:
+        return self._used

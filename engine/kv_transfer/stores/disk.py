@@ -1,0 +1,139 @@
+"""Local-disk tier: one file per chunk, written atomically (temp file + rename), an LRU index
+rebuilt from the directory at start (so it survives restarts), and a byte cap."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from engine.kv_transfer import serde
+from engine.kv_transfer.stores.base import ChunkFormat, KVStore
+
+logger = logging.getLogger("engine.kv_store")
+SUFFIX = ".kv"
+
+
+class DiskStore(KVStore):
+    name = "disk"
+
+    def __init__(self, path: str, capacity_bytes: int, fmt: ChunkFormat) -> None:
+        super().__init__(fmt)
+        self.dir = os.path.abspath(os.path.expanduser(path))
+        self.capacity = capacity_bytes
+        os.makedirs(self.dir, exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> bytes, LRU first
+        self._pins: collections.Counter[str] = collections.Counter()
+        self._used = 0
+        self._last_write_warning = 0.0
+        self._rebuild_index()
+
+    def _rebuild_index(self) -> None:
+        entries = []
+        for entry in os.scandir(self.dir):
+            if entry.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    if time.time() - entry.stat().st_mtime > 60:  # a write cut short by a crash
+                        os.unlink(entry.path)
+            elif entry.name.endswith(SUFFIX) and entry.is_file():
+                stat = entry.stat()
+                entries.append((stat.st_mtime, entry.name[:-len(SUFFIX)], stat.st_size))
+        for _, key, size in sorted(entries):
+            self._index[key] = size
+            self._used += size
+        if entries:
+            logger.info("disk KV tier %s: %d chunks (%.1f MiB) found", self.dir, len(entries), self._used / 2**20)
+        self._evict(0)
+
+    def _file(self, key: str) -> str:
+        return os.path.join(self.dir, key + SUFFIX)
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def get(self, key: str) -> torch.Tensor | None:
+        try:
+            with open(self._file(key), "rb") as f:
+                data = f.read()
+        except OSError:  # deleted behind our back (or unreadable): a miss
+            self._forget(key)
+            return None
+        try:
+            kv = serde.decode(data, self.fmt.fingerprint, self.fmt.dtype, list(self.fmt.shape))
+        except serde.CorruptPayload as exc:
+            logger.warning("disk KV tier: dropping %s: %s", key, exc)
+            self._forget(key, unlink=True)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        return kv
+
+    def put(self, key: str, kv: torch.Tensor) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return
+        buffers = serde.encode(kv, self.fmt.fingerprint, num_tokens=self.fmt.shape[2] * self.fmt.shape[3])
+        size = sum(memoryview(b).nbytes for b in buffers)
+        if size > self.capacity:
+            return
+        tmp = os.path.join(self.dir, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.writelines(buffers)
+            os.replace(tmp, self._file(key))  # readers see the whole file or none of it
+        except OSError as exc:  # disk full, read-only, directory gone: skip this write
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            now = time.monotonic()
+            if now - self._last_write_warning > 30:
+                self._last_write_warning = now
+                logger.warning("disk KV tier: write skipped (%s)", exc)
+            return
+        with self._lock:
+            self._index[key] = size
+            self._used += size
+        self._evict(0)
+        self.count(bytes_stored=size)
+
+    def _evict(self, incoming: int) -> None:
+        victims = []
+        with self._lock:
+            for key in list(self._index):
+                if self._used + incoming <= self.capacity:
+                    break
+                if self._pins[key]:
+                    continue
+                self._used -= self._index.pop(key)
+                victims.append(key)
+        for key in victims:
+            with contextlib.suppress(OSError):
+                os.unlink(self._file(key))
+
+    def _forget(self, key: str, unlink: bool = False) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+        if unlink:
+            with contextlib.suppress(OSError):
+                os.unlink(self._file(key))
+
+    def pin(self, keys: list[str]) -> None:
+        with self._lock:
+            self._pins.update(keys)
+
+    def unpin(self, keys: list[str]) -> None:
+        with self._lock:
+            self._pins.subtract(keys)
+            self._pins = +self._pins
+
+    def used_bytes(self) -> int:
+        return self._used

@@ -1,0 +1,100 @@
+"""Redis tier: chunks as self-describing payloads under ``engine-kv:<namespace>:<key>`` with a
+TTL. Shared by every engine pointed at the same server, so one instance's prefill is another's
+prefix hit. Redis being down never blocks or fails a request: each operation has a short
+timeout, the tier turns itself off with one warning and tries again a few seconds later."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+import torch
+
+from engine.kv_transfer import serde
+from engine.kv_transfer.stores.base import ChunkFormat, KVStore
+
+logger = logging.getLogger("engine.kv_store")
+TIMEOUT_S = 1.0
+RETRY_S = 2.0
+
+
+class RedisStore(KVStore):
+    name = "redis"
+
+    def __init__(self, url: str, fmt: ChunkFormat, ttl_s: int | None = None) -> None:
+        super().__init__(fmt)
+        self.url = url
+        self.ttl_s = ttl_s
+        self.prefix = f"engine-kv:{fmt.namespace}:"
+        self._client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S,
+                                            health_check_interval=30)
+        self._lock = threading.Lock()
+        self._down_until = 0.0  # monotonic time before which the tier is off
+        self._used = 0
+        self._used_checked = 0.0
+        self._call(self._client.ping)  # logs once if the server is down at start; never raises
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, fn, *args, **kwargs):
+        """fn(*args) or None when the server is off or unreachable (then off for RETRY_S)."""
+        if not self.available:
+            return None
+        try:
+            result = fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            with self._lock:
+                was_up = self._down_until == 0.0
+                self._down_until = time.monotonic() + RETRY_S
+            if was_up:
+                logger.warning("Redis KV tier %s unreachable (%s): off, retrying every %.0f s", self.url, exc, RETRY_S)
+            return None
+        with self._lock:
+            if self._down_until:
+                logger.warning("Redis KV tier %s is back", self.url)
+            self._down_until = 0.0
+        return result
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
+        def exists():
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.prefix + key)
+            return pipe.execute()
+        found = self._call(exists)
+        return [bool(f) for f in found] if found is not None else [False] * len(keys)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        data = self._call(self._client.get, self.prefix + key)
+        if data is None:
+            return None
+        try:
+            return serde.decode(data, self.fmt.fingerprint, self.fmt.dtype, list(self.fmt.shape))
+        except serde.CorruptPayload as exc:
+            logger.warning("Redis KV tier: dropping %s: %s", key, exc)
+            self._call(self._client.delete, self.prefix + key)
+            return None
+
+    def put(self, key: str, kv: torch.Tensor) -> None:
+        payload = b"".join(serde.encode(kv, self.fmt.fingerprint, num_tokens=self.fmt.shape[2] * self.fmt.shape[3]))
+        # nx: an entry already there is identical (same key, same model): keep it, refresh nothing.
+        if self._call(self._client.set, self.prefix + key, payload, ex=self.ttl_s, nx=True):
+            self.count(bytes_stored=len(payload))
+
+    def used_bytes(self) -> int:
+        """The server's used memory, refreshed at most every 5 s (it is shared, not ours alone)."""
+        now = time.monotonic()
+        if now - self._used_checked > 5 and self.available:
+            self._used_checked = now
+            info = self._call(self._client.info, "memory")
+            if info:
+                self._used = int(info.get("used_memory", 0))
+        return self._used
+
+    def close(self) -> None:
+        self._client.close()

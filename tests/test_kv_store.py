@@ -1,0 +1,280 @@
+"""KV cache tiers: payload format, the CPU / disk / Redis stores (real files, a real
+redis-server), and the engine loading prefixes from them, in-process and across processes.
+FAULTS.md 21-23."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kv_transfer import serde
+from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
+from engine.kv_transfer.stores.cpu import CPUStore
+from engine.kv_transfer.stores.disk import DiskStore
+from engine.kv_transfer.stores.redis import RETRY_S, RedisStore
+from tests.conftest import assert_engine_idle
+
+FMT = ChunkFormat("model-a:float32:bs4", torch.float32, (2, 2, 4, 4, 2, 8))
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _chunk(seed: int) -> torch.Tensor:
+    return torch.randn(FMT.shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- payloads ------------------------------------------------------------------------------
+def test_payload_roundtrip_and_rejections():
+    kv = _chunk(0)
+    data = b"".join(serde.encode(kv, FMT.fingerprint, 16))
+    assert torch.equal(serde.decode(data, FMT.fingerprint, FMT.dtype, list(FMT.shape)), kv)
+    flipped = bytearray(data)
+    flipped[-100] ^= 0xFF
+    for bad, why in [(data[:-10], "truncated"), (bytes(flipped), "checksum"), (b"junk" * 20, "magic")]:
+        with pytest.raises(serde.CorruptPayload, match=why):
+            serde.decode(bad, FMT.fingerprint, FMT.dtype, list(FMT.shape))
+    with pytest.raises(serde.CorruptPayload, match="another model"):
+        serde.decode(data, "model-b:float32:bs4", FMT.dtype, list(FMT.shape))
+
+
+def test_store_spec_parsing(tmp_path):
+    stores = parse_store_spec(f"cpu:1MiB,disk:{tmp_path}/kv:2MiB", FMT)
+    assert [s.name for s in stores] == ["cpu", "disk"] and stores[1].capacity == 2 * 2**20
+    for bad in ["gpu:1GiB", "cpu:lots", "disk:1GiB", "cpu:1MiB,cpu:2MiB", ""]:
+        with pytest.raises(ValueError):
+            parse_store_spec(bad, FMT)
+
+
+# ---- CPU -----------------------------------------------------------------------------------
+def test_cpu_store_lru_cap_and_pins():
+    store = CPUStore(3 * FMT.nbytes, FMT)
+    for i in range(3):
+        store.put(f"k{i}", _chunk(i))
+    store.get("k0")  # k0 is now the most recent: k1 goes first
+    store.pin(["k2"])
+    store.put("k3", _chunk(3))
+    store.put("k4", _chunk(4))  # k1, then (k2 pinned) k0 are evicted
+    assert store.contains(["k0", "k1", "k2", "k3", "k4"]) == [False, False, True, True, True]
+    assert store.used_bytes() == 3 * FMT.nbytes
+    store.unpin(["k2"])
+    store.put("k5", _chunk(5))
+    assert store.contains(["k2"]) == [False]
+
+
+# ---- disk ----------------------------------------------------------------------------------
+def test_disk_store_survives_restart_and_evicts(tmp_path):
+    size = len(b"".join(serde.encode(_chunk(0), FMT.fingerprint, 16)))
+    store = DiskStore(str(tmp_path), 3 * size, FMT)
+    for i in range(4):
+        store.put(f"k{i}", _chunk(i))
+        time.sleep(0.01)  # distinct mtimes: the restart rebuilds the LRU order from them
+    assert store.contains(["k0", "k1", "k2", "k3"]) == [False, True, True, True]
+    assert len(os.listdir(tmp_path)) == 3  # k0's file is gone, no temp files are left
+    reopened = DiskStore(str(tmp_path), 3 * size, FMT)
+    assert reopened.contains(["k1", "k2", "k3"]) == [True] * 3 and reopened.used_bytes() == 3 * size
+    assert torch.equal(reopened.get("k3"), _chunk(3))
+
+
+def test_disk_store_corrupt_foreign_and_deleted_entries_are_misses(tmp_path):
+    store = DiskStore(str(tmp_path), 2**30, FMT)
+    for i in range(3):
+        store.put(f"k{i}", _chunk(i))
+    path = tmp_path / "k0.kv"
+    path.write_bytes(path.read_bytes()[:-7])  # truncated
+    other = DiskStore(str(tmp_path / "other"), 2**30, ChunkFormat("model-b", torch.float32, FMT.shape))
+    other.put("k1", _chunk(1))
+    os.replace(tmp_path / "other" / "k1.kv", tmp_path / "k1.kv")  # another model's entry under our key
+    os.unlink(tmp_path / "k2.kv")  # deleted behind the store's back (e.g. during a read)
+    for key in ("k0", "k1", "k2"):
+        assert store.get(key) is None
+    assert not path.exists() and not (tmp_path / "k1.kv").exists()  # bad entries are removed
+    assert store.contains(["k0", "k1", "k2"]) == [False] * 3 and store.used_bytes() == 0
+
+
+def test_disk_full_skips_the_write(tmp_path, caplog):
+    """FAULTS 23: the kernel refuses the write (a file-size limit stands in for a full disk)."""
+    store = DiskStore(str(tmp_path), 2**30, FMT)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FMT.nbytes // 2, old_limit[1]))
+    try:
+        with caplog.at_level(logging.WARNING):
+            store.put("k0", _chunk(0))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert "write skipped" in caplog.text
+    assert store.contains(["k0"]) == [False] and os.listdir(tmp_path) == []  # nothing indexed, no debris
+    store.put("k0", _chunk(0))  # room again: the next write lands
+    assert torch.equal(store.get("k0"), _chunk(0))
+
+
+# ---- Redis ---------------------------------------------------------------------------------
+def test_redis_store_roundtrip_ttl_and_corruption(redis_server):
+    import redis
+    store = RedisStore(redis_server.url, FMT, ttl_s=100)
+    store.put("k0", _chunk(0))
+    assert store.contains(["k0", "nope"]) == [True, False]
+    assert torch.equal(store.get("k0"), _chunk(0))
+    client = redis.Redis.from_url(redis_server.url)
+    key = store.prefix + "k0"
+    assert 0 < client.ttl(key) <= 100
+    client.setrange(key, 200, b"garbage")  # corrupted in place
+    assert store.get("k0") is None and not client.exists(key)  # a miss, and the entry is gone
+    other = RedisStore(redis_server.url, ChunkFormat("model-b", torch.float32, FMT.shape))
+    other.put("k0", _chunk(0))
+    assert store.contains(["k0"]) == [False]  # two models never share an entry
+
+
+def test_redis_down_at_start_then_back(redis_server, caplog):
+    """FAULTS 21: the tier is off with one warning, never blocks beyond its timeout, and comes
+    back by itself."""
+    redis_server.kill()
+    with caplog.at_level(logging.WARNING):
+        start = time.monotonic()
+        store = RedisStore(redis_server.url, FMT)
+        store.put("k0", _chunk(0))
+        assert store.get("k0") is None and store.contains(["k0"]) == [False]
+        assert time.monotonic() - start < 3
+    assert caplog.text.count("unreachable") == 1
+    redis_server.start()
+    time.sleep(RETRY_S + 0.1)
+    store.put("k0", _chunk(0))
+    assert torch.equal(store.get("k0"), _chunk(0))
+
+
+# ---- the engine ----------------------------------------------------------------------------
+def _prompt(seed: int, n: int) -> list[int]:
+    return [random.Random(seed).randrange(3, 40000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = LLM(str(tiny_llama), num_blocks=128)
+    return lambda prompt: llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_cpu_tier_serves_prefixes_the_device_cache_evicted(tiny_llama, reference):
+    """The device pool (20 blocks) cannot keep the prefix; the CPU tier must supply it."""
+    llm = LLM(str(tiny_llama), num_blocks=20, kv_store="cpu:64MiB", kv_chunk_tokens=32)
+    prompt = _prompt(1, 200)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference(prompt)
+    for seed in range(10, 13):  # push the prefix out of the device cache
+        llm.generate([_prompt(seed, 250)], GREEDY, use_tqdm=False)
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference(prompt)
+    assert out.num_cached_tokens == 192  # 6 full chunks; the 7th would include the last prompt token
+    stats = llm.engine.runner.connector.store_stats()["cpu"]
+    assert stats["hits"] >= 6 and stats["bytes_loaded"] > 0
+    # A prompt that shares only part of the prefix loads just the shared chunks.
+    branch = prompt[:100] + _prompt(2, 60)
+    out = llm.generate([branch], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference(branch) and out.num_cached_tokens == 96
+    assert_engine_idle(llm)
+    llm.shutdown()
+
+
+def test_preempted_requests_and_batches_stay_correct(tiny_llama, reference):
+    """Loads, saves and preemption together in a pool too small for the running set."""
+    llm = LLM(str(tiny_llama), num_blocks=24, kv_store="cpu:64MiB", kv_chunk_tokens=16)
+    prompts = [_prompt(20 + i % 3, 90 + 10 * (i % 3)) for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    solo = LLM(str(tiny_llama), num_blocks=128)
+    for prompt, out in zip(prompts, outs):
+        expected = solo.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0].token_ids
+        assert out.outputs[0].token_ids == expected
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert_engine_idle(llm)
+    llm.shutdown()
+
+
+CHILD = """
+import json, sys
+from engine import LLM, SamplingParams
+model, spec, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(model, num_blocks=64, kv_store=spec, kv_chunk_tokens=32)
+out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+stats = llm.engine.runner.connector.store_stats()
+llm.shutdown()  # flushes the writes to disk and Redis
+print(json.dumps({"tokens": out.outputs[0].token_ids, "cached": out.num_cached_tokens,
+                  "hits": {t: s["hits"] for t, s in stats.items()}}))
+"""
+
+
+def _fresh_process(model, spec: str, prompt: list[int]) -> dict:
+    result = subprocess.run([sys.executable, "-c", CHILD, str(model), spec, json.dumps(prompt)],
+                            capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_a_new_process_finds_the_prefix(tiny_llama, reference, tmp_path, tier, request):
+    spec = f"cpu:64MiB,disk:{tmp_path}/kv:1GiB" if tier == "disk" else \
+        f"cpu:64MiB,{request.getfixturevalue('redis_server').url}"
+    prompt = _prompt(3, 150)
+    first = _fresh_process(tiny_llama, spec, prompt)
+    second = _fresh_process(tiny_llama, spec, prompt)
+    assert first["tokens"] == second["tokens"] == reference(prompt)
+    assert first["cached"] == 0 and second["cached"] == 128
+    assert second["hits"][tier] == 4 and second["hits"]["cpu"] == 0
+
+
+def test_redis_killed_mid_run_and_back(tiny_llama, reference, redis_server):
+    """FAULTS 21 in the engine: misses recompute, outputs never change, the tier returns."""
+    llm = LLM(str(tiny_llama), num_blocks=64, kv_store=redis_server.url, kv_chunk_tokens=32)
+    connector = llm.engine.runner.connector
+    a, b, c = _prompt(4, 100), _prompt(5, 100), _prompt(6, 100)
+    assert llm.generate([a], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference(a)
+    assert connector.wait_for_saves()
+    redis_server.kill()
+    start = time.monotonic()
+    out = llm.generate([b], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference(b) and time.monotonic() - start < 10
+    redis_server.start()  # an empty server: a's chunks are gone, nothing stale can be served
+    time.sleep(RETRY_S + 0.1)
+    assert llm.generate([c], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference(c)
+    assert connector.wait_for_saves()
+    # The tier is back without a restart: another instance now loads c's prefix from Redis.
+    other = LLM(str(tiny_llama), num_blocks=64, kv_store=redis_server.url, kv_chunk_tokens=32)
+    out = other.generate([c], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference(c) and out.num_cached_tokens == 96
+    assert other.engine.runner.connector.store_stats()["redis"]["hits"] == 3
+    for engine in (llm, other):
+        assert_engine_idle(engine)
+        engine.shutdown()
+
+
+def test_server_reports_tier_hits(tiny_llama, tmp_path):
+    """`engine serve --kv-store`: usage.prompt_tokens_details.cached_tokens counts tier hits, and
+    /metrics and /status show each tier. Two servers share the disk tier, one after the other."""
+    import openai
+    from tests.server_utils import ServerProcess
+    args = ("--num-blocks", "64", "--max-model-len", "1024", "--kv-chunk-tokens", "32", "--served-model-name", "tiny",
+            "--kv-store", f"cpu:64MiB,disk:{tmp_path}/kv:1GiB")
+    prompt = _prompt(7, 150)
+    results = []
+    for _ in range(2):
+        server = ServerProcess(str(tiny_llama), *args)
+        try:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+            resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            results.append((resp.choices[0].text, resp.usage.prompt_tokens_details.cached_tokens))
+            server.wait_idle()
+            metrics, status = server.metrics(), server.status()
+        finally:
+            server.stop()  # SIGTERM: pending disk writes are flushed on the way out
+    (text_a, cached_a), (text_b, cached_b) = results
+    assert text_a == text_b and cached_a == 0 and cached_b == 128
+    assert 'engine:kv_store_hits_total{model_name="' in metrics and 'tier="disk"} 4.0' in metrics
+    assert status["kv_store"]["disk"]["hits"] == 4 and status["kv_store"]["cpu"]["used_bytes"] > 0
