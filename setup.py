@@ -26,6 +26,7 @@ setup(
         "prometheus_client",
         "httpx",
         "redis>=5",
+        "hiredis",  # redis-py's C reply parser: large KV values parse without holding the GIL for long
     ],
     extras_require={
         "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib"],

@@ -143,6 +143,13 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix held by free blocks (blocks in use keep theirs).
+        Returns how many were dropped."""
+        dropped = [b for b in self.free_queue.values() if b.block_hash is not None]
+        self.uncache(dropped)
+        return len(dropped)
+
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Forget the hashes of blocks whose content is not valid (a failed KV load)."""
         for block in blocks:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from typing import Sequence
 
@@ -90,6 +91,9 @@ class LLM:
                         if output.finished:
                             results[output.request_id] = output
                             bar.update(1)
+                    if engine.last_num_scheduled_tokens == 0:
+                        # Only KV loads or sends are in flight: let their threads have the GIL.
+                        time.sleep(0.001)
         except BaseException:
             engine.abort_request(ids)
             raise

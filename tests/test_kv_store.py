@@ -203,6 +203,8 @@ import json, sys
 from engine import LLM, SamplingParams
 model, spec, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 llm = LLM(model, num_blocks=64, kv_store=spec, kv_chunk_tokens=32)
+if isinstance(prompt, str):
+    prompt = llm.get_tokenizer()(prompt)["input_ids"]
 out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
 stats = llm.engine.runner.connector.store_stats()
 llm.shutdown()  # flushes the writes to disk and Redis
@@ -211,7 +213,7 @@ print(json.dumps({"tokens": out.outputs[0].token_ids, "cached": out.num_cached_t
 """
 
 
-def _fresh_process(model, spec: str, prompt: list[int]) -> dict:
+def _fresh_process(model, spec: str, prompt: list[int] | str) -> dict:
     result = subprocess.run([sys.executable, "-c", CHILD, str(model), spec, json.dumps(prompt)],
                             capture_output=True, text=True, timeout=300, cwd=os.getcwd())
     assert result.returncode == 0, result.stderr[-3000:]
@@ -278,3 +280,83 @@ def test_server_reports_tier_hits(tiny_llama, tmp_path):
     assert text_a == text_b and cached_a == 0 and cached_b == 128
     assert 'engine:kv_store_hits_total{model_name="' in metrics and 'tier="disk"} 4.0' in metrics
     assert status["kv_store"]["disk"]["hits"] == 4 and status["kv_store"]["cpu"]["used_bytes"] > 0
+
+
+def test_store_mode_disaggregation_through_the_proxy(tiny_llama, redis_server):
+    """The second disaggregation mode: P and D share a Redis tier. P stores the prompt's chunks
+    and promises them in kv_transfer_params; D loads them (waiting for writes still on their
+    way) instead of recomputing. The output equals a colocated run."""
+    import httpx
+    from tests.disagg_utils import ProxyProcess
+    from tests.server_utils import ServerProcess
+    args = ("--num-blocks", "64", "--max-model-len", "1024", "--kv-chunk-tokens", "32",
+            "--kv-store", redis_server.url)
+    prefill, decode = ServerProcess(str(tiny_llama), *args), ServerProcess(str(tiny_llama), *args)
+    proxy = ProxyProcess([prefill.url], [decode.url])
+    colocated = LLM(str(tiny_llama), num_blocks=64)
+    try:
+        for seed in (8, 9):
+            prompt = _prompt(seed, 170)
+            resp = httpx.post(f"{proxy.url}/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert resp.status_code == 200, resp.text
+            expected = colocated.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text
+            assert resp.json()["choices"][0]["text"] == expected
+            assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+        assert decode.status()["kv_store"]["redis"]["hits"] == 10
+        prefill.wait_idle()
+        decode.wait_idle()
+    finally:
+        proxy.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def test_disk_entry_deleted_between_lookup_and_load(tiny_llama, reference, tmp_path):
+    """FAULTS 23: the index says yes, the file is gone at read time: the load falls short and
+    the prefill is recomputed, output unchanged."""
+    spec = f"disk:{tmp_path}/kv:1GiB"
+    prompt = _prompt(11, 150)
+    writer = LLM(str(tiny_llama), num_blocks=64, kv_store=spec, kv_chunk_tokens=32)
+    writer.generate([prompt], GREEDY, use_tqdm=False)
+    writer.shutdown()
+    reader = LLM(str(tiny_llama), num_blocks=64, kv_store=spec, kv_chunk_tokens=32)  # indexes the files
+    for name in os.listdir(tmp_path / "kv"):
+        os.unlink(tmp_path / "kv" / name)
+    assert reader.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference(prompt)
+    assert reader.engine.scheduler.stats.num_kv_load_failures == 1
+    assert_engine_idle(reader)
+    reader.shutdown()
+
+
+def test_tiny_cpu_tier_evicting_under_concurrent_lookups(tiny_llama, reference):
+    """A CPU tier that holds 3 chunks, with shared and distinct prefixes in one batch: entries
+    are evicted while others are looked up and loaded; every output stays exact."""
+    chunk_bytes = 2 * 2 * 2 * 16 * 2 * 16 * 4  # [layers, k/v, 2 blocks, 16 tokens, 2 kv heads, 16 dims] fp32
+    llm = LLM(str(tiny_llama), num_blocks=48, kv_store=f"cpu:{3 * chunk_bytes}", kv_chunk_tokens=32)
+    shared = _prompt(12, 96)  # exactly the tier's 3 chunks
+    llm.generate([shared + _prompt(13, 20)], GREEDY, use_tqdm=False)
+    llm.engine.kv_cache_manager.pool.reset_prefix_cache()  # lookups must go to the tier
+    # Shared-prefix requests load pinned chunks while the distinct ones' saves evict around them.
+    prompts = [shared + _prompt(30 + i, 20 + 7 * i) if i % 2 else _prompt(40 + i, 120) for i in range(8)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference(prompt)
+    stats = llm.engine.runner.connector.store_stats()["cpu"]
+    assert stats["hits"] > 0 and stats["bytes_stored"] > 3 * chunk_bytes >= stats["used_bytes"]  # it evicted
+    assert_engine_idle(llm)
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_tier_hits_across_processes(smollm2_dir, tmp_path, redis_server):
+    """SmolLM2, greedy: a fresh process gets the prefix from disk, another from Redis, and both
+    outputs equal the first (computed) run token for token."""
+    question = "Explain, step by step, how a paged KV cache lets an inference server reuse a prefix. " * 6
+    disk = f"disk:{tmp_path}/kv:1GiB"
+    first = _fresh_process(smollm2_dir, f"cpu:256MiB,{disk},{redis_server.url}", question)
+    from_disk = _fresh_process(smollm2_dir, f"cpu:256MiB,{disk}", question)
+    from_redis = _fresh_process(smollm2_dir, f"cpu:256MiB,{redis_server.url}", question)
+    assert first["cached"] == 0 and from_disk["cached"] >= 64 and from_redis["cached"] == from_disk["cached"]
+    assert from_disk["hits"]["disk"] > 0 and from_redis["hits"]["redis"] > 0
+    assert first["tokens"] == from_disk["tokens"] == from_redis["tokens"]

@@ -30,12 +30,13 @@ import torch
 from engine.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, contiguous_runs
 from engine.kv_transfer.stores.base import KVStore
 from engine.outputs import KVConnectorOutput, SchedulerOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 
 logger = logging.getLogger("engine.kv_store")
 
 DEFAULT_CHUNK_TOKENS = 256
 MAX_PENDING_SAVE_BYTES = 512 * 2**20  # writes to slow tiers beyond this backlog are skipped
+DEFAULT_PROMISED_WAIT_S = 10.0  # how long a decode waits for chunks a prefill instance promised
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class ChunkLoad:
 class TierLoad:
     req_id: str
     chunks: list[ChunkLoad]
+    wait_until: float = 0.0  # time.monotonic() until which a missing chunk is retried
 
 
 @dataclass(slots=True)
@@ -111,11 +113,13 @@ class TieredStore:
 
 
 class TieredConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, tiers: TieredStore, block_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, tiers: TieredStore, block_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 wait_s: float = DEFAULT_PROMISED_WAIT_S) -> None:
         if chunk_tokens <= 0 or chunk_tokens % block_size:
             raise ValueError(f"kv_chunk_tokens={chunk_tokens} must be a positive multiple of the block "
                              f"size ({block_size})")
         self.tiers = tiers
+        self.wait_s = wait_s
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = chunk_tokens // block_size
@@ -133,8 +137,11 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         last = (request.num_tokens - 1) // self.chunk_tokens  # chunks that end before the last token
         if first >= last:
             return 0, False
-        found = self.tiers.lookup([self._key(request, c) for c in range(first, last)])
-        external = (first + found) * self.chunk_tokens - num_computed_tokens
+        found = first + self.tiers.lookup([self._key(request, c) for c in range(first, last)])
+        # Store-mode disaggregation: a prefill instance said it stored this many tokens; its
+        # writes may still be on their way, so the loader waits for them (up to a deadline).
+        promised = int((request.kv_transfer_params or {}).get("kv_store_tokens", 0)) // self.chunk_tokens
+        external = max(found, min(promised, last)) * self.chunk_tokens - num_computed_tokens
         return (external, True) if external > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
@@ -155,7 +162,8 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         keys = [c.key for c in chunks]
         self.tiers.pin(keys)  # from here to the load, eviction cannot take them
         self._loading[req_id] = keys
-        self._meta.loads.append(TierLoad(req_id, chunks))
+        promised = "kv_store_tokens" in (request.kv_transfer_params or {})
+        self._meta.loads.append(TierLoad(req_id, chunks, time.monotonic() + self.wait_s if promised else 0.0))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None) -> TieredMetadata:
         if scheduler_output is not None:
@@ -184,11 +192,18 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._blocks.pop(req_id, None)
-        self._saved.pop(req_id, None)
+        saved = self._saved.pop(req_id, 0)
         if req_id in self._loading:
             # Ended while its chunks are loading: keep the blocks until the loader lets go.
             self._meta.cancels.append(req_id)
             return True, None
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and request.status in (RequestStatus.FINISHED_LENGTH,
+                                                                  RequestStatus.FINISHED_STOPPED):
+            # Store-mode disaggregation: the prompt's chunks are (being) stored; a decode
+            # instance on the same store loads them instead of recomputing.
+            tokens = min(saved, (request.num_prompt_tokens - 1) // self.chunk_tokens) * self.chunk_tokens
+            return False, {"kv_store_tokens": tokens}
         return False, None
 
     def transfer_done(self, req_id: str) -> None:
@@ -299,8 +314,11 @@ class TieredConnectorWorker(KVConnectorWorker):
             if load.req_id in self._cancelled:
                 return "cancelled: the request ended"
             kv = self.tiers.load(chunk.key)
+            while kv is None and time.monotonic() < load.wait_until and load.req_id not in self._cancelled:
+                time.sleep(0.005)  # promised by a prefill instance whose write is still on its way
+                kv = self.tiers.load(chunk.key)
             if kv is None:
-                return f"miss: chunk {chunk.key[:12]} left every tier between lookup and load"
+                return f"miss: chunk {chunk.key[:12]} is in no tier (evicted, or never written)"
             src = list(range(chunk.first_block, chunk.first_block + len(chunk.block_ids)))
             for s, d, n in contiguous_runs(src, chunk.block_ids):
                 self.kv[:, :, d:d + n].copy_(kv[:, :, s:s + n])

@@ -55,7 +55,19 @@ class DiskStore(KVStore):
 
     def contains(self, keys: list[str]) -> list[bool]:
         with self._lock:
-            return [k in self._index for k in keys]
+            found = [k in self._index for k in keys]
+        for i, key in enumerate(keys):
+            if not found[i]:  # written since our start by another engine sharing the directory
+                try:
+                    size = os.stat(self._file(key)).st_size
+                except OSError:
+                    continue
+                with self._lock:
+                    if key not in self._index:
+                        self._index[key] = size
+                        self._used += size
+                found[i] = True
+        return found
 
     def get(self, key: str) -> torch.Tensor | None:
         try:
