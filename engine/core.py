@@ -6,6 +6,7 @@ the model loop. Every socket has a LINGER; every wait has a timeout.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ IDLE_POLL_MS = 100
 STATS_INTERVAL_S = 1.0
 # Only waiting on transfers (nothing scheduled): check on them this often instead of spinning.
 WAIT_POLL_MS = 2
+TRIM_INTERVAL_S = 5.0
 
 
 class EngineCore:
@@ -79,6 +81,7 @@ class EngineCore:
         moved, failures, seconds = self.engine.runner.connector.transfer_stats()
         return EngineStats(
             kv_blocks_held=sum(len(kv.get_block_ids(r)) for r in scheduler.held),
+            num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv, num_held=len(scheduler.held),
             kv_transfer_bytes=moved, kv_transfer_failures=failures, kv_transfer_seconds=seconds,
             kv_store={tier: TierStats(**t) for tier, t in self.engine.runner.connector.store_stats().items()},
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
@@ -124,10 +127,17 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
         ctx.term()
 
 
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    last_stats, last_state = 0.0, None
+    last_stats, last_state, last_trim = 0.0, None, 0.0
     while True:
         busy = core.engine.has_unfinished_requests()
         # Waiting only for remote KV (nothing was scheduled): poll briefly instead of spinning.
@@ -161,3 +171,8 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
         if deltas or state != last_state or now - last_stats > STATS_INTERVAL_S:
             push.send(encoder.encode(Outputs(deltas, core.stats())))
             last_stats, last_state = now, state
+        if not busy and now - last_trim > TRIM_INTERVAL_S:
+            # Idle: hand freed heap pages back to the OS, so varied batch shapes do not leave
+            # the process's memory fragmented and growing.
+            _malloc_trim()
+            last_trim = now

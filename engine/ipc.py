@@ -91,6 +91,8 @@ class EngineStats(msgspec.Struct):
     prompt_tokens: int = 0
     generation_tokens: int = 0
     kv_blocks_held: int = 0
+    num_waiting_for_remote_kv: int = 0  # of num_waiting: parked until their KV arrives
+    num_held: int = 0  # finished requests whose blocks a KV transfer still reads
     kv_transfer_bytes: int = 0
     kv_transfer_failures: dict[str, int] = {}
     # Durations of transfers that completed since the previous stats message.

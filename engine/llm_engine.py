@@ -181,6 +181,12 @@ class LLMEngine:
         nothing was queued."""
         if request_id in self._states:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        if any(self.scheduler.is_id_in_use(c) for c in child_ids):
+            # A finished request whose blocks a KV transfer still reads: reusing its id now
+            # would hand the new request the old blocks.
+            raise InvalidRequestError(f"request id {request_id!r} is still in use (its KV transfer has not "
+                                      "finished); use a new id", "request_id")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_token_ids, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -64,6 +64,8 @@ class Scheduler:
             return
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        logger.debug("request %s: WAITING (%d prompt tokens, max_tokens %d)", request.request_id,
+                     request.num_prompt_tokens, request.max_tokens)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
         """End requests from outside a step (abort, a stop string). Unknown ids are ignored."""
@@ -139,9 +141,13 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                logger.debug("request %s: WAITING_FOR_REMOTE_KV (%d tokens to load, %d local)", request.request_id,
+                             num_external, num_local)
                 skipped.append(request)
                 continue
             request.status = RequestStatus.RUNNING
+            logger.debug("request %s: RUNNING (%d of %d tokens computed)", request.request_id, num_computed,
+                         request.num_tokens)
             if request.queue_time is None:
                 request.queue_time = time.monotonic() - request.arrival_time
             self.running.append(request)
@@ -213,10 +219,11 @@ class Scheduler:
         for req_id in kv_out.finished_sending:
             request = self.held.pop(req_id, None)
             if request is not None:
+                logger.debug("request %s: KV transfer done, held blocks freed", req_id)
                 self.kv.free(request)
         for req_id in kv_out.finished_recving | kv_out.failed_recving:
-            self.connector.transfer_done(req_id)
             failed = req_id in kv_out.failed_recving
+            self.connector.transfer_done(req_id, failed)
             held = self.held.pop(req_id, None)
             if held is not None:
                 # Ended while its load was in flight: the blocks are safe to reuse only now.
@@ -228,6 +235,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             if not failed:
                 self.kv.cache_blocks(request, request.num_computed_tokens)
+                logger.debug("request %s: KV arrived, WAITING to run", req_id)
                 continue
             self.stats.num_kv_load_failures += 1
             # Never decode over blocks that were not filled: drop them all.
@@ -248,6 +256,8 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         hold, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        logger.debug("request %s: %s%s", request.request_id, request.status.name,
+                     ", blocks held for a KV transfer" if hold else "")
         if hold:
             self.held[request.request_id] = request
         else:
@@ -268,6 +278,13 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def is_id_in_use(self, req_id: str) -> bool:
+        return req_id in self.requests or req_id in self.held or req_id in self.kv.req_to_blocks
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_for_remote_kv(self) -> int:
+        return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.waiting)

@@ -135,6 +135,52 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_status(url: str, status: dict) -> str:
+    """One engine instance's live state, as `engine status` prints it."""
+    req, blocks, kv = status["requests"], status["kv_blocks"], status["kv_transfer"]
+    lines = [f"{url}  model {status['model']}  engine pid {status['engine_pid']}"
+             + ("  ENGINE DEAD" if status["dead"] else ""),
+             f"  requests   running {req['running']}  waiting {req['waiting']} "
+             f"(for remote KV {req.get('waiting_for_remote_kv', 0)})  held for transfer "
+             f"{req.get('held_for_transfer', 0)}  open HTTP {req['in_flight_http']}",
+             f"  kv blocks  total {blocks['total']}  free {blocks['free']} (cached {blocks['cached']})  "
+             f"in use {blocks['in_use']} (held {blocks.get('held', kv['blocks_held'])})  "
+             f"preemptions {status['num_preemptions']}",
+             f"  transfers  in flight {req.get('waiting_for_remote_kv', 0) + req.get('held_for_transfer', 0)}  "
+             f"bytes {kv['bytes']}  failures {kv['failures'] or 'none'}"]
+    for tier, t in status.get("kv_store", {}).items():
+        lines.append(f"  store {tier:5s} hits {t['hits']}  misses {t['misses']}  used {t['used_bytes'] / 2**20:.1f} MiB  "
+                     f"stored {t['bytes_stored'] / 2**20:.1f} MiB  loaded {t['bytes_loaded'] / 2**20:.1f} MiB")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    failed = 0
+    urls = list(args.urls)
+    while urls:
+        url = urls.pop(0).rstrip("/")
+        try:
+            resp = httpx.get(f"{url}/status", timeout=args.timeout, headers=headers)
+            resp.raise_for_status()
+            status = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            print(f"{url}  UNREACHABLE: {exc}")
+            failed += 1
+            continue
+        if status.get("proxy"):  # a proxy: show it, then every instance behind it
+            print(f"{url}  proxy ({status['policy']})")
+            for role in ("prefill", "decode"):
+                for up in status[role]:
+                    print(f"  {role:7s} {up['url']}  in flight {up['in_flight']}")
+                    urls.append(up["url"])
+            continue
+        print(format_status(url, status))
+    return 1 if failed else 0
+
+
 def cmd_disagg(args: argparse.Namespace) -> int:
     from entrypoints.launcher import run_disagg
 
@@ -151,6 +197,8 @@ def cmd_disagg(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="engine", description="LLM inference engine")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="debug logs every request's state changes with its id (default info)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="print a completion for one prompt")
@@ -215,8 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(dg)
     dg.set_defaults(func=cmd_disagg)
 
+    st = sub.add_parser("status", help="print the live state of engine instances (or of a proxy and everything "
+                                       "behind it): requests by status, KV blocks, transfers, store tiers")
+    st.add_argument("urls", nargs="+", metavar="URL")
+    st.add_argument("--api-key", default=None)
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.set_defaults(func=cmd_status)
+
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ValueError as exc:

@@ -32,6 +32,10 @@ class _EngineStatsCollector:
              s.num_free_blocks),
             ("engine:kv_blocks_cached", "KV blocks holding a reusable prefix.", s.num_cached_blocks),
             ("engine:kv_blocks_held", "KV blocks of finished requests held for a KV transfer.", s.kv_blocks_held),
+            ("engine:num_requests_waiting_for_remote_kv", "Requests parked until their KV arrives (of the waiting).",
+             s.num_waiting_for_remote_kv),
+            ("engine:num_requests_held_for_transfer", "Finished requests whose KV a transfer still reads.",
+             s.num_held),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])

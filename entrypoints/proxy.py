@@ -231,4 +231,11 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
     async def health():
         return await proxy.health()
 
+    @app.get("/status")
+    async def status():
+        """The proxy's view: its upstreams and the requests it has in flight on each."""
+        return {"proxy": True, "policy": proxy.policy,
+                "prefill": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.prefills],
+                "decode": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.decodes]}
+
     return app

@@ -41,5 +41,25 @@ def test_serve_help_documents_every_flag():
                          text=True, timeout=60).stdout
     for flag in ["--block-size", "--kv-cache-memory", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
                  "--max-model-len", "--dtype", "--seed", "--served-model-name", "--api-key", "--max-queue-len",
-                 "--role", "--kv-port", "--kv-transfer-config", "--kv-load-failure-policy"]:
+                 "--role", "--kv-port", "--kv-transfer-config", "--kv-load-failure-policy", "--kv-store",
+                 "--kv-chunk-tokens", "--kv-store-ttl-s"]:
         assert flag in out, flag
+
+
+def test_engine_status_through_a_proxy(tiny_llama):
+    """`engine status URL` on a proxy prints the proxy and the live state of every instance
+    behind it; an unreachable URL is reported and makes the exit status 1."""
+    from tests.disagg_utils import Disagg
+    from tests.server_utils import free_port
+    cluster = Disagg(str(tiny_llama), "--num-blocks", "64", "--max-model-len", "1024")
+    try:
+        dead = f"http://127.0.0.1:{free_port()}"
+        result = subprocess.run([sys.executable, "-m", "entrypoints.cli", "status", cluster.url, dead],
+                                capture_output=True, text=True, timeout=60)
+        out = result.stdout
+        assert result.returncode == 1 and f"{dead}  UNREACHABLE" in out
+        assert "proxy (least-loaded)" in out and cluster.prefill.url in out and cluster.decode.url in out
+        assert out.count("requests   running 0  waiting 0 (for remote KV 0)  held for transfer 0") == 2
+        assert out.count("kv blocks  total 64  free 64") == 2 and "transfers  in flight 0" in out
+    finally:
+        cluster.stop()

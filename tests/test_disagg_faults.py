@@ -71,7 +71,7 @@ def test_clean_transfer_is_used(prefill, decode, expected):
 
 
 @pytest.mark.parametrize("fault, reason", [
-    ("truncate", "frame rejected"), ("reorder", "frame rejected"),
+    ("truncate", "frame rejected"), ("reorder", "frame rejected"), ("corrupt", "frame rejected"),
     ("bad_dtype", "frame rejected"), ("bad_shape", "frame rejected"),
     ("drop", "timeout"), ("delay=4", "timeout"),
 ])

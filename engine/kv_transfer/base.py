@@ -56,8 +56,8 @@ class KVConnectorScheduler(ABC):
         done, kv_transfer_params to hand back to the client or proxy)."""
 
 
-    def transfer_done(self, req_id: str) -> None:
-        """The worker half finished (or gave up on) the load of ``req_id``."""
+    def transfer_done(self, req_id: str, failed: bool = False) -> None:
+        """The worker half finished (``failed``: gave up on) the load of ``req_id``."""
 
 
 class KVConnectorWorker(ABC):

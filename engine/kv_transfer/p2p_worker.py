@@ -46,6 +46,7 @@ from engine.outputs import KVConnectorOutput
 logger = logging.getLogger("engine.kv_transfer")
 
 PROTOCOL_VERSION = 1
+NUM_PULLERS = 4
 DEFAULT_CHUNK_BYTES = 16 * 2**20  # staging memory: two chunks in flight (double buffering)
 
 
@@ -130,6 +131,10 @@ def _inject_fault(fault: str | None, header: Chunk, payload: memoryview) -> list
         time.sleep(float(fault.split("=", 1)[1]))
         return [(header, payload)]
     changed = msgspec.structs.replace
+    if fault == "corrupt":  # flipped bits under a checksum of the original bytes
+        damaged = bytearray(payload)
+        damaged[len(damaged) // 2] ^= 0xFF
+        return [(changed(header, crc32=zlib.crc32(payload)), memoryview(damaged))]
     return {
         "drop": [],
         "truncate": [(header, payload[:payload.nbytes // 2])],
@@ -170,11 +175,15 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._done_recving: set[str] = set()
         self._failed: dict[str, str] = {}
         self._cancelled: set[str] = set()
+        self._outstanding: set[str] = set()  # loads queued or running
         self._jobs: queue.Queue[LoadSpec | tuple[str, str]] = queue.Queue()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}, "shm_loads": 0}
-        self._threads = [threading.Thread(target=self._pull_loop, name="kv-pull", daemon=True)]
+        # Several pullers, each with its own peer sockets: a transfer that stalls (a dropped
+        # frame waits for its deadline) never holds up the others.
+        self._threads = [threading.Thread(target=self._pull_loop, name=f"kv-pull-{i}", daemon=True)
+                         for i in range(NUM_PULLERS)]
         self.bind_ip, self.port = bind_ip, port
         self.shm_path = ""
         self._staging: torch.Tensor | None = None  # uint8 [2 * slot_bytes], producers only
@@ -232,7 +241,9 @@ class P2PConnectorWorker(KVConnectorWorker):
         with self._lock:
             for spec in metadata.sends:
                 self._buffer[spec.req_id] = spec
-            self._cancelled.update(metadata.cancels)
+            # A cancel for a load that already finished is moot (and would linger).
+            self._cancelled.update(r for r in metadata.cancels if r in self._outstanding)
+            self._outstanding.update(spec.req_id for spec in metadata.loads)
         for spec in metadata.loads:
             self._jobs.put(spec)
         for addr, remote_request_id in metadata.releases:
@@ -410,6 +421,7 @@ class P2PConnectorWorker(KVConnectorWorker):
                 error = self._load(job, peers)
                 with self._lock:
                     self._cancelled.discard(job.req_id)
+                    self._outstanding.discard(job.req_id)
                     if error is None:
                         self._done_recving.add(job.req_id)
                     else:

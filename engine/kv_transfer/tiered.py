@@ -36,6 +36,7 @@ logger = logging.getLogger("engine.kv_store")
 
 DEFAULT_CHUNK_TOKENS = 256
 MAX_PENDING_SAVE_BYTES = 512 * 2**20  # writes to slow tiers beyond this backlog are skipped
+NUM_LOADERS = 4
 DEFAULT_PROMISED_WAIT_S = 10.0  # how long a decode waits for chunks a prefill instance promised
 
 
@@ -127,7 +128,9 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[int]] = {}   # mirrors the runner's block tables
         self._saved: dict[str, int] = {}          # leading chunks known to be in the tiers
-        self._loading: dict[str, list[str]] = {}  # request -> pinned keys of its load in flight
+        # request -> (pinned keys, first chunk) of its load in flight
+        self._loading: dict[str, tuple[list[str], int]] = {}
+        self._no_lookup: set[str] = set()  # a load of theirs failed: they recompute from here on
 
     def _key(self, request: Request, chunk: int) -> str:
         return request.block_hashes[(chunk + 1) * self.blocks_per_chunk - 1].hex()
@@ -135,7 +138,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         first = num_computed_tokens // self.chunk_tokens
         last = (request.num_tokens - 1) // self.chunk_tokens  # chunks that end before the last token
-        if first >= last:
+        if first >= last or request.request_id in self._no_lookup:
             return 0, False
         found = first + self.tiers.lookup([self._key(request, c) for c in range(first, last)])
         # Store-mode disaggregation: a prefill instance said it stored this many tokens; its
@@ -161,7 +164,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
                                     block_ids[start + first:start + self.blocks_per_chunk]))
         keys = [c.key for c in chunks]
         self.tiers.pin(keys)  # from here to the load, eviction cannot take them
-        self._loading[req_id] = keys
+        self._loading[req_id] = (keys, num_local_tokens // self.chunk_tokens)
         promised = "kv_store_tokens" in (request.kv_transfer_params or {})
         self._meta.loads.append(TierLoad(req_id, chunks, time.monotonic() + self.wait_s if promised else 0.0))
 
@@ -193,6 +196,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self._requests.pop(req_id, None)
         self._blocks.pop(req_id, None)
         saved = self._saved.pop(req_id, 0)
+        self._no_lookup.discard(req_id)
         if req_id in self._loading:
             # Ended while its chunks are loading: keep the blocks until the loader lets go.
             self._meta.cancels.append(req_id)
@@ -206,10 +210,18 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             return False, {"kv_store_tokens": tokens}
         return False, None
 
-    def transfer_done(self, req_id: str) -> None:
-        keys = self._loading.pop(req_id, None)
-        if keys is not None:
-            self.tiers.unpin(keys)
+    def transfer_done(self, req_id: str, failed: bool = False) -> None:
+        loading = self._loading.pop(req_id, None)
+        if loading is None:
+            return
+        keys, first_chunk = loading
+        self.tiers.unpin(keys)
+        if failed:
+            # It recomputes: asking the tiers again could fail the same way, forever; and the
+            # chunks it recomputes are saved again (a corrupt entry that was read is gone by now).
+            self._no_lookup.add(req_id)
+            if req_id in self._saved:
+                self._saved[req_id] = first_chunk
 
 
 class TieredConnectorWorker(KVConnectorWorker):
@@ -225,8 +237,11 @@ class TieredConnectorWorker(KVConnectorWorker):
         self._pending_save_bytes = 0
         self.skipped_saves = 0
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._load_loop, name="kv-store-load", daemon=True),
-                         threading.Thread(target=self._save_loop, name="kv-store-save", daemon=True)]
+        self._outstanding: set[str] = set()  # loads queued or running
+        # Several loaders: one load waiting for promised chunks must not hold up the others.
+        self._threads = [threading.Thread(target=self._load_loop, name=f"kv-store-load-{i}", daemon=True)
+                         for i in range(NUM_LOADERS)]
+        self._threads.append(threading.Thread(target=self._save_loop, name="kv-store-save", daemon=True))
         self._slow_tiers = [s for s in tiers.stores if s.name != "cpu"]
         self._cpu_tier = next((s for s in tiers.stores if s.name == "cpu"), None)
 
@@ -239,7 +254,9 @@ class TieredConnectorWorker(KVConnectorWorker):
         if metadata is None:
             return
         with self._lock:
-            self._cancelled.update(metadata.cancels)
+            # A cancel for a load that already finished is moot (and would linger).
+            self._cancelled.update(r for r in metadata.cancels if r in self._outstanding)
+            self._outstanding.update(load.req_id for load in metadata.loads)
         for load in metadata.loads:
             self._loads.put(load)
 
@@ -299,9 +316,14 @@ class TieredConnectorWorker(KVConnectorWorker):
                 load = self._loads.get(timeout=0.1)
             except queue.Empty:
                 continue
-            error = self._load(load)
+            try:
+                error = self._load(load)
+            except Exception as exc:  # a store bug fails this load (it recomputes), never the loader
+                logger.exception("KV store load for %s raised", load.req_id)
+                error = f"error: {type(exc).__name__}: {exc}"
             with self._lock:
                 self._cancelled.discard(load.req_id)
+                self._outstanding.discard(load.req_id)
                 if error is None:
                     self._done.add(load.req_id)
                 else:

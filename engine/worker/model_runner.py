@@ -6,6 +6,7 @@ attention metadata once, runs the model, samples, and returns one ModelRunnerOut
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,10 @@ class ModelRunner:
         self.connector: KVConnectorWorker = NoOpConnectorWorker()
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
+        # Test hook (FAULTS 24), only with ENGINE_ALLOW_FAULTS=1: the Nth forward pass raises.
+        self._fail_at_forward = (int(os.environ.get("ENGINE_FAULT_FORWARD_AT", "0"))
+                                 if os.environ.get("ENGINE_ALLOW_FAULTS") == "1" else 0)
+        self._num_forwards = 0
 
     @property
     def bytes_per_block(self) -> int:
@@ -151,6 +156,9 @@ class ModelRunner:
         for state, n in zip(states, query_lens):
             input_ids.extend(state.token_ids[state.num_computed_tokens:state.num_computed_tokens + n])
 
+        self._num_forwards += 1
+        if self._num_forwards == self._fail_at_forward:
+            raise RuntimeError(f"injected failure in forward pass {self._num_forwards} (ENGINE_FAULT_FORWARD_AT)")
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                             torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
         self.connector.save_kv(so.kv_connector_metadata)

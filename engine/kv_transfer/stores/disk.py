@@ -48,7 +48,7 @@ class DiskStore(KVStore):
             self._used += size
         if entries:
             logger.info("disk KV tier %s: %d chunks (%.1f MiB) found", self.dir, len(entries), self._used / 2**20)
-        self._evict(0)
+        self._evict()
 
     def _file(self, key: str) -> str:
         return os.path.join(self.dir, key + SUFFIX)
@@ -56,6 +56,7 @@ class DiskStore(KVStore):
     def contains(self, keys: list[str]) -> list[bool]:
         with self._lock:
             found = [k in self._index for k in keys]
+        added = False
         for i, key in enumerate(keys):
             if not found[i]:  # written since our start by another engine sharing the directory
                 try:
@@ -66,7 +67,10 @@ class DiskStore(KVStore):
                     if key not in self._index:
                         self._index[key] = size
                         self._used += size
+                        added = True
                 found[i] = True
+        if added:
+            self._evict()
         return found
 
     def get(self, key: str) -> torch.Tensor | None:
@@ -110,24 +114,23 @@ class DiskStore(KVStore):
                 logger.warning("disk KV tier: write skipped (%s)", exc)
             return
         with self._lock:
+            self._used += size - self._index.get(key, 0)  # contains() may have found the file already
             self._index[key] = size
-            self._used += size
-        self._evict(0)
+        self._evict()
         self.count(bytes_stored=size)
 
-    def _evict(self, incoming: int) -> None:
-        victims = []
+    def _evict(self) -> None:
+        """Least recently used first, pinned ones spared, until under the cap. Files go under
+        the lock, so contains() never re-finds a file that is about to disappear."""
         with self._lock:
             for key in list(self._index):
-                if self._used + incoming <= self.capacity:
+                if self._used <= self.capacity:
                     break
                 if self._pins[key]:
                     continue
                 self._used -= self._index.pop(key)
-                victims.append(key)
-        for key in victims:
-            with contextlib.suppress(OSError):
-                os.unlink(self._file(key))
+                with contextlib.suppress(OSError):
+                    os.unlink(self._file(key))
 
     def _forget(self, key: str, unlink: bool = False) -> None:
         with self._lock:

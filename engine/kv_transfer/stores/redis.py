@@ -1,7 +1,8 @@
 """Redis tier: chunks as self-describing payloads under ``engine-kv:<namespace>:<key>`` with a
 TTL. Shared by every engine pointed at the same server, so one instance's prefill is another's
 prefix hit. Redis being down never blocks or fails a request: each operation has a short
-timeout, the tier turns itself off with one warning and tries again a few seconds later."""
+timeout, the tier turns itself off with one warning, and a background probe turns it back on
+when the server answers again; while it is off every call returns at once."""
 from __future__ import annotations
 
 import logging
@@ -30,33 +31,45 @@ class RedisStore(KVStore):
         self._client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S,
                                             health_check_interval=30)
         self._lock = threading.Lock()
-        self._down_until = 0.0  # monotonic time before which the tier is off
+        self._down_since: float | None = None  # set while the tier is off
+        self._closed = threading.Event()
         self._used = 0
         self._used_checked = 0.0
         self._call(self._client.ping)  # logs once if the server is down at start; never raises
 
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._down_since is None
 
     def _call(self, fn, *args, **kwargs):
-        """fn(*args) or None when the server is off or unreachable (then off for RETRY_S)."""
-        if not self.available:
+        """fn(*args), or None when the server is off or fails (then it is off until the probe
+        thread reaches it again: callers never wait on a server that is down)."""
+        if self._down_since is not None:
             return None
         try:
-            result = fn(*args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            with self._lock:
-                was_up = self._down_until == 0.0
-                self._down_until = time.monotonic() + RETRY_S
-            if was_up:
-                logger.warning("Redis KV tier %s unreachable (%s): off, retrying every %.0f s", self.url, exc, RETRY_S)
+            return fn(*args, **kwargs)
+        except (redis.RedisError, OSError) as exc:
+            self._mark_down(exc)
             return None
+
+    def _mark_down(self, exc: Exception) -> None:
         with self._lock:
-            if self._down_until:
-                logger.warning("Redis KV tier %s is back", self.url)
-            self._down_until = 0.0
-        return result
+            if self._down_since is not None:
+                return
+            self._down_since = time.monotonic()
+        logger.warning("Redis KV tier %s unavailable (%s): off, retrying every %.0f s", self.url, exc, RETRY_S)
+        threading.Thread(target=self._probe, name="kv-store-redis-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        while not self._closed.wait(RETRY_S):
+            try:
+                self._client.ping()
+            except (redis.RedisError, OSError):
+                continue
+            with self._lock:
+                self._down_since = None
+            logger.warning("Redis KV tier %s is back", self.url)
+            return
 
     def contains(self, keys: list[str]) -> list[bool]:
         if not keys:
@@ -97,4 +110,5 @@ class RedisStore(KVStore):
         return self._used
 
     def close(self) -> None:
+        self._closed.set()
         self._client.close()

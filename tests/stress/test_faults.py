@@ -1,0 +1,243 @@
+"""Scenario 2: faults injected under load, through the real code paths (FAULTS.md 11, 14-17, 21,
+23-25): damaged KV frames on concurrent transfers, a prefill or decode killed while requests are
+in flight, Redis killed mid-run, disk-tier files truncated, the model forward raising, SIGTERM
+under load, and all-or-nothing admission of n > 1. After each: the behaviour FAULTS.md lists,
+nothing else lost, and the invariants of scenario 3."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import RedisServer
+from tests.disagg_utils import Disagg, ProxyProcess
+from tests.server_utils import ServerProcess, free_port, pid_alive
+from tests.stress.workload import Job, assert_invariants, make_jobs, run_load
+
+ARGS = ("--num-blocks", "160", "--max-model-len", "2048")
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [random.Random(seed).randrange(3, 40000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(stress_model):
+    llm = LLM(str(stress_model), num_blocks=1024, max_model_len=2048)
+
+    def run(prompt: list[int], max_tokens: int = 8) -> str:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    yield run
+    llm.shutdown()
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 8, **extra) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra})
+
+
+def test_damaged_kv_frames_on_concurrent_transfers(stress_model, reference):
+    """FAULTS 16-17 under load: 24 transfers at once, most of them damaged on the real send
+    path; every request still gets exactly the colocated output, each damaged one is counted
+    once, and both sides end idle."""
+    kv_port = free_port()
+    prefill = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(kv_port),
+                            "--kv-lease-s", "5", env={"ENGINE_ALLOW_KV_FAULTS": "1"})
+    decode = ServerProcess(str(stress_model), *ARGS, "--role", "decode", "--kv-load-timeout-s", "3")
+    # (A delay stalls the producer's one send loop for everyone; it has its own test.)
+    faults = [None, "truncate", "reorder", "corrupt", "bad_dtype", "bad_shape", "duplicate", "drop", None] * 3
+    prompts = [_prompt(100 + i, 40 + 13 * i) for i in range(len(faults))]
+    expected = [reference(p) for p in prompts]  # the offline LLM is not thread-safe: before the threads
+
+    def one(i: int) -> tuple[str, str]:
+        params = {"do_remote_decode": True, **({"inject_fault": faults[i]} if faults[i] else {})}
+        first = _complete(prefill.url, prompts[i], 1, kv_transfer_params=params)
+        assert first.status_code == 200, first.text
+        resp = _complete(decode.url, prompts[i], kv_transfer_params=first.json()["kv_transfer_params"])
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["text"], expected[i]
+    try:
+        with ThreadPoolExecutor(len(faults)) as pool:
+            for got, want in pool.map(one, range(len(faults))):
+                assert got == want
+        failures = decode.status()["kv_transfer"]["failures"]
+        # Every damaging fault counted once, nothing else: the dropped ones stall only themselves.
+        assert failures == {"frame rejected": 15, "timeout": 3}
+        assert_invariants(decode)
+        assert_invariants(prefill)
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_prefill_killed_mid_request_with_a_second_prefill(stress_model, reference):
+    """FAULTS 15 under load: one of two prefill instances dies while requests are in flight.
+    Each request either completes correctly or gets an error from the proxy within its
+    deadline; D keeps serving (later requests all succeed) and ends idle."""
+    p1 = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(free_port()))
+    p2 = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(free_port()))
+    decode = ServerProcess(str(stress_model), *ARGS, "--role", "decode", "--kv-load-timeout-s", "3")
+    proxy = ProxyProcess([p1.url, p2.url], [decode.url], "--timeout", "60")
+    jobs = [Job(i, _prompt(200 + i, 300 + 20 * i), 8, None) for i in range(16)]
+    try:
+        task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(proxy.url, jobs, rate=8.0, deadline_s=120))
+        time.sleep(1.0)
+        p1.kill()
+        summary = task.result(timeout=150)
+        for r in summary.results:
+            assert r.error is None and r.text == reference(r.job.prompt) or r.error.startswith("http 50"), r.error
+        assert len(summary.completed) >= len(jobs) // 2
+        after = [_complete(proxy.url, _prompt(300 + i, 100)) for i in range(4)]  # the dead P is skipped
+        assert all(r.status_code == 200 for r in after)
+        assert_invariants(decode)
+        assert_invariants(p2)
+    finally:
+        proxy.stop()
+        for server in (p2, decode):
+            server.stop()
+
+
+def test_decode_killed_under_load(stress_model):
+    """FAULTS 14 under load: D dies with requests in flight; each client gets an error within
+    the proxy's deadline (never a hang or an empty 200), and P frees all the KV it held when
+    the leases end."""
+    cluster = Disagg(str(stress_model), *ARGS, prefill_args=("--kv-lease-s", "3"))
+    jobs = [Job(i, _prompt(400 + i, 200 + 10 * i), 1200, None) for i in range(12)]  # still decoding at 1.5 s
+    try:
+        task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(cluster.url, jobs, rate=10.0, deadline_s=90))
+        time.sleep(1.5)
+        cluster.decode.kill()
+        summary = task.result(timeout=120)
+        assert summary.seconds < 90
+        failed = [r for r in summary.results if r.error is not None or r.finish_reason is None]
+        assert failed, "D died mid-load, yet every request finished"
+        assert_invariants(cluster.prefill, timeout=20)
+    finally:
+        cluster.proxy.stop()
+        cluster.prefill.stop()
+
+
+def test_redis_killed_mid_run(stress_model, reference, tmp_path):
+    """FAULTS 21 under load: Redis dies while 40 requests with shared prefixes run, then comes
+    back; every output is exact and the server never stalls."""
+    redis_server = RedisServer(tmp_path)
+    server = ServerProcess(str(stress_model), *ARGS, "--kv-store", redis_server.url, "--kv-chunk-tokens", "64")
+    shared = [_prompt(500 + k, 400) for k in range(4)]
+    jobs = [Job(i, shared[i % 4] + _prompt(600 + i, 30), 12, None) for i in range(40)]
+    try:
+        task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(server.url, jobs, rate=20.0, deadline_s=120))
+        time.sleep(1.0)
+        redis_server.kill()
+        time.sleep(1.0)
+        redis_server.start()
+        summary = task.result(timeout=150)
+        assert not summary.errors
+        for r in summary.results:
+            assert r.text == reference(r.job.prompt, 12)
+        assert_invariants(server)
+    finally:
+        server.stop()
+        redis_server.kill()
+
+
+def test_truncated_disk_tier_files(stress_model, reference, tmp_path):
+    """FAULTS 22-23: every stored chunk is truncated behind the engine's back; a new instance
+    on the same directory treats them as misses, deletes them and recomputes exactly."""
+    spec = ("--kv-store", f"disk:{tmp_path}/kv:1GiB", "--kv-chunk-tokens", "64")
+    prompts = [_prompt(700 + i, 300) for i in range(6)]
+    first = ServerProcess(str(stress_model), *ARGS, *spec)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda p: _complete(first.url, p), prompts))
+    finally:
+        first.stop()  # flushes the disk writes
+    files = os.listdir(tmp_path / "kv")
+    assert len(files) == 6 * 4
+    for name in files:
+        path = tmp_path / "kv" / name
+        path.write_bytes(path.read_bytes()[:1000])
+    second = ServerProcess(str(stress_model), *ARGS, *spec)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            for prompt, resp in zip(prompts, pool.map(lambda p: _complete(second.url, p), prompts)):
+                assert resp.json()["choices"][0]["text"] == reference(prompt)
+        assert second.status()["kv_store"]["disk"]["hits"] == 0
+        assert_invariants(second)
+    finally:
+        second.stop()
+    # Each prompt's first chunk was read, found truncated, deleted, recomputed and written again
+    # (the others are deleted when a lookup first reads them).
+    sizes = [os.path.getsize(tmp_path / "kv" / name) for name in os.listdir(tmp_path / "kv")]
+    assert sum(size > 1000 for size in sizes) >= 6
+
+
+def test_forward_raising(stress_model):
+    """FAULTS 24: the model forward raises with requests in flight. Each gets an error (HTTP 500
+    or an SSE error event), /health turns 503, the server exits by itself and leaves no
+    engine-core process behind."""
+    server = ServerProcess(str(stress_model), *ARGS, env={"ENGINE_ALLOW_FAULTS": "1", "ENGINE_FAULT_FORWARD_AT": "60"})
+    # All five are streaming (none can finish 200 tokens in 60 steps) when the 60th forward raises.
+    jobs = [Job(i, _prompt(800 + i, 50), 200, None) for i in range(5)]
+    try:
+        summary = asyncio.run(run_load(server.url, jobs, rate=50.0, deadline_s=60))
+        assert all(r.error is not None for r in summary.results), [r.finish_reason for r in summary.results]
+        assert all(r.error.startswith("stream error") for r in summary.results), summary.errors
+        try:
+            assert httpx.get(f"{server.url}/health", timeout=2).status_code == 503
+        except httpx.ConnectError:
+            pass  # already gone: also fine
+        assert server.proc.wait(15) is not None
+        deadline = time.monotonic() + 5
+        while pid_alive(server.engine_pid):
+            assert time.monotonic() < deadline, "engine core outlived the server"
+            time.sleep(0.05)
+    finally:
+        server.stop()
+
+
+def test_sigterm_under_load(stress_model):
+    """FAULTS 25: SIGTERM with 10 streams open. Each finishes or gets an error (no hang); both
+    processes exit in bounded time; the engine's ipc sockets are gone."""
+    import glob
+    import tempfile
+    server = ServerProcess(str(stress_model), *ARGS)
+    jobs = make_jobs(10, seed=3, max_prompt=400, disconnect_fraction=0.0)
+    for job in jobs:
+        job.max_tokens = 400
+    sockets_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-*-in")))
+    try:
+        task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(server.url, jobs, rate=50.0, deadline_s=60))
+        time.sleep(2.0)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        summary = task.result(timeout=60)
+        assert server.proc.wait(20) in (0, -15) and time.monotonic() - start < 20
+        assert all(r.error is not None or r.finish_reason == "length" for r in summary.results)
+        deadline = time.monotonic() + 5
+        while pid_alive(server.engine_pid):
+            assert time.monotonic() < deadline, "engine core outlived the server"
+            time.sleep(0.05)
+        assert set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-*-in"))) <= sockets_before
+    finally:
+        server.stop()
+
+
+def test_n_is_admitted_all_or_nothing(stress_model):
+    """n > 1 takes n queue slots at once: with room for one, n=2 is refused whole (503) and
+    nothing of it runs; n=1 is served."""
+    server = ServerProcess(str(stress_model), *ARGS, "--max-queue-len", "1")
+    try:
+        resp = _complete(server.url, _prompt(900, 20), n=2)
+        assert resp.status_code == 503 and "busy" in resp.json()["error"]["message"]
+        assert_invariants(server)
+        assert _complete(server.url, _prompt(900, 20)).status_code == 200
+    finally:
+        server.stop()
