@@ -92,7 +92,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto | torch | flash_attn | xformers
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (CUDA, no kv_cache_memory)
     kv_transfer_config: KVTransferConfig | None = None
     # KV cache tiers, fastest first: "cpu:4GiB,disk:/var/cache/engine-kv:20GiB,redis://host:6379/0".
     kv_store: str | None = None
@@ -112,6 +113,11 @@ class EngineConfig:
                 self.kv_chunk_tokens % self.block_size:
             raise ValueError(f"kv_chunk_tokens must be a positive multiple of block_size ({self.block_size}), "
                              f"got {self.kv_chunk_tokens!r}")
+        if self.attention_backend not in ("auto", "torch", "flash_attn", "xformers"):
+            raise ValueError(f"attention_backend must be auto, torch, flash_attn or xformers, "
+                             f"got {self.attention_backend!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.kv_store_ttl_s, int) or self.kv_store_ttl_s < 1:
             raise ValueError(f"kv_store_ttl_s must be a positive integer, got {self.kv_store_ttl_s!r}")
         self.cache = CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching)

@@ -82,6 +82,7 @@ class EngineCore:
         return EngineStats(
             kv_blocks_held=sum(len(kv.get_block_ids(r)) for r in scheduler.held),
             num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv, num_held=len(scheduler.held),
+            num_tracked_requests=self.engine.num_tracked_requests(),
             kv_transfer_bytes=moved, kv_transfer_failures=failures, kv_transfer_seconds=seconds,
             kv_store={tier: TierStats(**t) for tier, t in self.engine.runner.connector.store_stats().items()},
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,

@@ -93,6 +93,7 @@ class EngineStats(msgspec.Struct):
     kv_blocks_held: int = 0
     num_waiting_for_remote_kv: int = 0  # of num_waiting: parked until their KV arrives
     num_held: int = 0  # finished requests whose blocks a KV transfer still reads
+    num_tracked_requests: int = 0  # per-request state anywhere in the engine (0 when idle)
     kv_transfer_bytes: int = 0
     kv_transfer_failures: dict[str, int] = {}
     # Durations of transfers that completed since the previous stats message.

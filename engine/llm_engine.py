@@ -19,6 +19,7 @@ from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
 from engine.kv_transfer.p2p_worker import DEFAULT_CHUNK_BYTES, P2PConnectorWorker
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
+from engine.worker.backends import KV_LAYOUT
 from engine.kv_transfer.tiered import TieredConnectorScheduler, TieredConnectorWorker, TieredStore
 from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
@@ -88,8 +89,10 @@ class LLMEngine:
         self.runner = ModelRunner(config, model_dir, self.eos_token_ids,
                                   reserved_bytes=2 * DEFAULT_CHUNK_BYTES if uses_p2p else 0)
         # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
+        # (Every attention backend shares it, so a CPU prefill and a flash-attn decode of the same
+        # dtype are compatible.)
         self.fingerprint = (f"{loader.model_fingerprint(model_dir)}:{self.runner.dtype}:"
-                            f"bs{config.block_size}:{self.runner.backend.name}:[L,2,N,bs,H,D]")
+                            f"bs{config.block_size}:{KV_LAYOUT}")
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
@@ -223,6 +226,12 @@ class LLMEngine:
         return len(self._states)
 
     # ---- the step ----------------------------------------------------------------------
+    def num_tracked_requests(self) -> int:
+        """Per-request state held anywhere above the runner: 0 when idle, or something leaks."""
+        scheduler = self.scheduler
+        return (len(self._states) + len(self._child_to_parent) + len(scheduler.requests) + len(scheduler.held)
+                + len(self.kv_cache_manager.req_to_blocks) + scheduler.connector.num_tracked_requests())
+
     def shutdown(self) -> None:
         self.runner.connector.shutdown()
 

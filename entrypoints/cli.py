@@ -23,6 +23,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn", "xformers"],
+                        help="paged attention kernels (auto: the fastest installed for the device; "
+                             "flash_attn and xformers need CUDA and pip install -e .[cuda])")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of GPU memory the engine may use; the KV cache gets what the weights and "
+                             "activations leave (CUDA, when --kv-cache-memory is not given; default 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--kv-store", default=None, metavar="SPEC",
                         help="KV cache tiers in lookup order, comma-separated: cpu:SIZE, disk:PATH:SIZE, "
@@ -39,6 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                 dtype=args.dtype, device=args.device, seed=args.seed, kv_store=args.kv_store,
+                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s)
 
 

@@ -1,4 +1,6 @@
-"""Paged attention (TorchSDPABackend + build_attention_metadata) against a dense causal reference."""
+"""Paged attention against a dense causal reference: the torch backend, and the packed "varlen"
+data path of the flash-attn and xformers backends (their metadata and context gather, with a
+plain-torch kernel standing in for the CUDA one, so the metadata is checked on CPU)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +12,7 @@ import torch
 
 from engine.worker.attention import build_attention_metadata
 from engine.worker.backends.torch_sdpa import TorchSDPABackend
+from engine.worker.backends.varlen import gather_kv, reference_varlen_attention
 
 CPU = torch.device("cpu")
 HEAD_DIM = 8
@@ -32,19 +35,34 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
-def run_step(kv_cache, seqs, order, query_lens, num_computed, block_size, sliding_window, scale):
+class VarlenReferenceBackend:
+    """What FlashAttnBackend / XFormersBackend do, with their CUDA kernel replaced by the plain
+    torch reference of flash_attn_varlen_func(causal=True, window_size=(W - 1, 0))."""
+    needs_varlen = True
+
+    @staticmethod
+    def forward(q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        keys, values = gather_kv(k_cache, v_cache, meta.varlen)
+        return reference_varlen_attention(q, keys, values, meta.varlen, scale)
+
+
+def run_step(kv_cache, seqs, order, query_lens, num_computed, block_size, sliding_window, scale, varlen=False):
     """One forward call for the given per-sequence query ranges, ordered as the runner does:
     single-token queries first, longest context first, then the multi-token ones."""
     order = sorted(order, key=lambda i: (query_lens[i] > 1, -(num_computed[i] + query_lens[i])))
     meta, positions = build_attention_metadata(
         [query_lens[i] for i in order], [num_computed[i] for i in order],
-        [seqs[i]["blocks"] for i in order], block_size, CPU, sliding_window)
+        [seqs[i]["blocks"] for i in order], block_size, CPU, sliding_window, varlen=varlen)
     q = torch.cat([seqs[i]["q"][num_computed[i]:num_computed[i] + query_lens[i]] for i in order])
     k = torch.cat([seqs[i]["k"][num_computed[i]:num_computed[i] + query_lens[i]] for i in order])
     v = torch.cat([seqs[i]["v"][num_computed[i]:num_computed[i] + query_lens[i]] for i in order])
     expected_pos = np.concatenate([np.arange(num_computed[i], num_computed[i] + query_lens[i]) for i in order])
     np.testing.assert_array_equal(positions, expected_pos)
-    out = TorchSDPABackend.forward(q, k, v, kv_cache, meta, scale)
+    out = (VarlenReferenceBackend if varlen else TorchSDPABackend).forward(q, k, v, kv_cache, meta, scale)
     assert out.shape == q.shape
     row = 0
     for i in order:
@@ -57,10 +75,11 @@ def run_step(kv_cache, seqs, order, query_lens, num_computed, block_size, slidin
     return meta
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["torch", "varlen"])
 @pytest.mark.parametrize("sliding_window", [None, 1, 5])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_paged_attention_matches_dense_reference(seed, block_size, sliding_window):
+def test_paged_attention_matches_dense_reference(seed, block_size, sliding_window, varlen):
     rng = random.Random(seed * 1000 + block_size * 10 + (sliding_window or 0))
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     num_heads, num_kv_heads = rng.choice([(4, 4), (4, 2), (6, 1)])
@@ -95,7 +114,7 @@ def test_paged_attention_matches_dense_reference(seed, block_size, sliding_windo
     with_ctx = [i for i, s in enumerate(seqs) if s["ctx"] > 0]
     if with_ctx:
         run_step(kv_cache, seqs, with_ctx, [s["ctx"] for s in seqs], [0] * len(seqs), block_size,
-                 sliding_window, scale)
+                 sliding_window, scale, varlen)
     for s in seqs:  # the context K/V landed in the right slots
         for pos in range(s["ctx"]):
             block, off = s["blocks"][pos // block_size], pos % block_size
@@ -104,7 +123,12 @@ def test_paged_attention_matches_dense_reference(seed, block_size, sliding_windo
 
     # 2. The query call: every sequence, context from the cache plus its new tokens.
     meta = run_step(kv_cache, seqs, list(range(len(seqs))), [s["q_len"] for s in seqs], [s["ctx"] for s in seqs],
-                    block_size, sliding_window, scale)
+                    block_size, sliding_window, scale, varlen)
+    if varlen:
+        assert meta.decodes == [] and meta.prefills == []
+        assert meta.varlen.cu_seqlens_q[-1].item() == sum(s["q_len"] for s in seqs)
+        assert meta.varlen.cu_seqlens_k[-1].item() == sum(s["ctx"] + s["q_len"] for s in seqs)
+        return
     num_single = sum(1 for s in seqs if s["q_len"] == 1)
     assert sum(d.end - d.start for d in meta.decodes) == num_single
     assert len(meta.prefills) == len(seqs) - num_single

@@ -56,6 +56,10 @@ class KVConnectorScheduler(ABC):
         done, kv_transfer_params to hand back to the client or proxy)."""
 
 
+    def num_tracked_requests(self) -> int:
+        """Requests this half keeps state for (0 when the engine is idle: anything else leaks)."""
+        return 0
+
     def transfer_done(self, req_id: str, failed: bool = False) -> None:
         """The worker half finished (``failed``: gave up on) the load of ``req_id``."""
 

@@ -153,5 +153,8 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                       "remote_kv_addr": self.advertised_addr, "remote_host_id": host_id(),
                       "remote_request_id": req_id, "num_tokens": num_tokens}
 
+    def num_tracked_requests(self) -> int:
+        return len(self._loading) + len(self._consumed)
+
     def transfer_done(self, req_id: str, failed: bool = False) -> None:
         self._loading.discard(req_id)

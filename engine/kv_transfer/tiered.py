@@ -210,6 +210,10 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             return False, {"kv_store_tokens": tokens}
         return False, None
 
+    def num_tracked_requests(self) -> int:
+        return (len(self._requests) + len(self._blocks) + len(self._saved) + len(self._loading)
+                + len(self._no_lookup))
+
     def transfer_done(self, req_id: str, failed: bool = False) -> None:
         loading = self._loading.pop(req_id, None)
         if loading is None:

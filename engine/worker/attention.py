@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.worker.backends.varlen import VarlenMetadata, build_varlen_metadata
+
 
 @dataclass(slots=True)
 class DecodeGroup:
@@ -42,6 +44,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
+    varlen: VarlenMetadata | None = None  # for packed-batch kernels (flash-attn, xformers)
 
 
 def build_attention_metadata(
@@ -51,9 +54,11 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     sliding_window: int | None = None,
+    varlen: bool = False,
 ) -> tuple[AttentionMetadata, np.ndarray]:
     """Metadata and the position of every new token. Requests must be ordered with all
-    single-token queries first."""
+    single-token queries first. ``varlen``: build the packed-batch form instead of the torch
+    backend's decode groups and prefill ranges."""
     num_reqs = len(query_lens)
     q_lens = np.asarray(query_lens, dtype=np.int64)
     ctx = np.asarray(num_computed, dtype=np.int64)
@@ -72,6 +77,10 @@ def build_attention_metadata(
         table[i, :len(blocks)] = blocks
     slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
 
+    slot_mapping = torch.from_numpy(slots).to(device)
+    if varlen:
+        return AttentionMetadata(num_tokens, slot_mapping, [], [], build_varlen_metadata(
+            q_lens, seq_lens, table, block_size, device, sliding_window)), positions
     num_decodes = int(np.searchsorted(q_lens > 1, True)) if num_reqs else 0
     assert (q_lens[:num_decodes] == 1).all() and (q_lens[num_decodes:] > 1).all(), "decodes must come first"
     decodes = []
@@ -101,7 +110,7 @@ def build_attention_metadata(
         prefills.append(PrefillSeq(int(starts[i]), int(starts[i] + q_len),
                                    torch.tensor(block_tables[i][:n_blocks], dtype=torch.int64, device=device),
                                    seq_len, mask))
-    return AttentionMetadata(num_tokens, torch.from_numpy(slots).to(device), decodes, prefills), positions
+    return AttentionMetadata(num_tokens, slot_mapping, decodes, prefills), positions
 
 
 def _length_groups(seq_lens: np.ndarray, max_waste: float = 0.5, max_groups: int = 4) -> list[tuple[int, int]]:

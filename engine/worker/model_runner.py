@@ -19,7 +19,7 @@ from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker import loader
 from engine.worker.attention import build_attention_metadata
-from engine.worker.backends.torch_sdpa import TorchSDPABackend
+from engine.worker.backends import select_backend
 from engine.worker.cpu_linear import onednn_available, pack_linears
 from engine.worker.models.llama import LlamaForCausalLM, ModelConfig
 from engine.worker.sampler import Sampler, SamplingMetadata
@@ -28,6 +28,18 @@ logger = logging.getLogger("engine.worker")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cuda_kv_budget(total: int, free: int, utilization: float, activation_bytes: int) -> int:
+    """Bytes for the KV cache on a GPU, vLLM's way: this engine may use ``utilization`` of the
+    device's memory; what is in use already (weights, other processes) and the activation
+    reserve come off that. Raises when nothing is left."""
+    budget = int(total * utilization) - (total - free) - activation_bytes
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache: {utilization:.0%} of {total / 2**30:.1f} GiB, "
+                         f"{(total - free) / 2**30:.1f} GiB already in use, {activation_bytes / 2**30:.1f} GiB "
+                         "needed for activations; raise --gpu-memory-utilization or free the device")
+    return budget
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,7 +74,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.model_config = ModelConfig.from_hf(loader.load_hf_config(model_dir))
-        self.backend = TorchSDPABackend()
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype, self.block_size,
+                                      self.model_config.head_dim)
 
         start = time.perf_counter()
         torch.manual_seed(config.seed)
@@ -110,12 +123,30 @@ class ModelRunner:
     def _num_blocks(self, reserved_bytes: int) -> int:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
+        memory = self.config.cache.kv_cache_memory
+        if memory is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            memory = cuda_kv_budget(total, free, self.config.gpu_memory_utilization,
+                                    self._activation_bytes())
+            logger.info("KV cache budget: %.2f GiB (%.0f%% of %.1f GiB, %.2f GiB in use after loading, "
+                        "%.2f GiB kept for activations)", memory / 2**30, 100 * self.config.gpu_memory_utilization,
+                        total / 2**30, (total - free) / 2**30, self._activation_bytes() / 2**30)
         # Transfer staging buffers come out of the same budget: they never grow past it.
-        memory = (self.config.cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY) - reserved_bytes
+        memory = (memory or DEFAULT_CPU_KV_CACHE_MEMORY) - reserved_bytes
         num_blocks = memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {self.bytes_per_block} bytes")
         return num_blocks
+
+    def _activation_bytes(self) -> int:
+        """A bound on one step's activations: the widest layer's tensors for a full token
+        budget, plus the logits of a full batch, twice over for the allocator's slack."""
+        cfg, elem = self.model_config, self.dtype.itemsize
+        tokens = self.config.max_num_batched_tokens
+        per_token = (3 * cfg.hidden_size + 2 * cfg.intermediate_size
+                     + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * elem
+        logits = self.config.max_num_seqs * cfg.vocab_size * 4  # sampled in float32
+        return 2 * (tokens * per_token + logits)
 
     # ---- per-step state ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -151,7 +182,7 @@ class ModelRunner:
         query_lens = [so.num_scheduled_tokens[r] for r in req_ids]
         meta, positions = build_attention_metadata(
             query_lens, [s.num_computed_tokens for s in states], [s.block_ids for s in states],
-            self.block_size, self.device, self.model_config.sliding_window)
+            self.block_size, self.device, self.model_config.sliding_window, varlen=self.backend.needs_varlen)
         input_ids = []
         for state, n in zip(states, query_lens):
             input_ids.extend(state.token_ids[state.num_computed_tokens:state.num_computed_tokens + n])

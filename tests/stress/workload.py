@@ -117,6 +117,7 @@ def assert_invariants(server, timeout: float = 30.0) -> dict:
     status = server.wait_idle(timeout=timeout)
     req, blocks = status["requests"], status["kv_blocks"]
     assert req["running"] == req["waiting"] == req["waiting_for_remote_kv"] == req["held_for_transfer"] == 0, status
+    assert req["tracked_by_engine"] == 0, f"per-request state leaked: {status}"
     assert blocks["free"] + blocks["in_use"] == blocks["total"] and blocks["in_use"] == 0, status
     assert blocks["held"] == 0 and status["kv_transfer"]["blocks_held"] == 0, status
     return status

@@ -9,6 +9,7 @@ from engine.worker.attention import AttentionMetadata
 
 class TorchSDPABackend:
     name = "torch"
+    needs_varlen = False  # consumes the decode groups and prefill ranges of AttentionMetadata
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -1,0 +1,45 @@
+"""xformers backend (CUDA): memory-efficient attention over the packed step with a
+block-diagonal, bottom-right-causal bias (optionally local for sliding windows). Imported only
+when selected."""
+from __future__ import annotations
+
+import torch
+
+from engine.worker.attention import AttentionMetadata
+from engine.worker.backends.varlen import gather_kv
+
+
+class XFormersBackend:
+    name = "xformers"
+    needs_varlen = True
+
+    def __init__(self, block_size: int) -> None:
+        from xformers.ops import fmha
+        self._fmha = fmha
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)  # the shared layout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        varlen = meta.varlen
+        keys, values = gather_kv(k_cache, v_cache, varlen)
+        groups = q.shape[1] // num_kv_heads
+        if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        bias_type = self._fmha.attn_bias
+        if varlen.sliding_window:
+            bias = bias_type.BlockDiagonalCausalLocalAttentionFromBottomRightMask.from_seqlens(
+                varlen.q_lens, kv_seqlen=varlen.seq_lens, window_size=varlen.sliding_window)
+        else:
+            bias = bias_type.BlockDiagonalCausalFromBottomRightMask.from_seqlens(varlen.q_lens,
+                                                                                 kv_seqlen=varlen.seq_lens)
+        out = self._fmha.memory_efficient_attention_forward(q[None], keys[None], values[None], attn_bias=bias,
+                                                            scale=scale)
+        return out[0]

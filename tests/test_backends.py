@@ -1,0 +1,62 @@
+"""Attention backend selection, import guards, GPU memory sizing and the shared KV layout: the
+parts of the CUDA path that run on CPU. (The kernels themselves are checked against the torch
+backend by benchmarks/gpu_check.sh on a GPU.)"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import EngineConfig
+from engine.worker.backends import select_backend, unavailable_reason
+from engine.worker.model_runner import cuda_kv_budget
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_auto_is_torch_on_cpu_and_explicit_cuda_backends_are_refused():
+    assert select_backend("auto", CPU, torch.float32, 16, 64).name == "torch"
+    assert select_backend("torch", CPU, torch.float32, 16, 64).name == "torch"
+    for name in ("flash_attn", "xformers"):
+        with pytest.raises(ValueError, match=f"--attention-backend {name}: {name} needs a CUDA device"):
+            select_backend(name, CPU, torch.float32, 16, 64)
+
+
+def test_unavailable_reasons_name_the_problem():
+    installed = {n: __import__("importlib").util.find_spec(n) is not None for n in ("flash_attn", "xformers")}
+    for name, present in installed.items():
+        reason = unavailable_reason(name, CUDA, torch.bfloat16, 64)
+        assert (reason is None) if present else ("not installed (pip install -e .[cuda])" in reason)
+    if installed["flash_attn"]:
+        assert "float16 or bfloat16" in unavailable_reason("flash_attn", CUDA, torch.float32, 64)
+    assert "unknown attention backend" in unavailable_reason("triton", CUDA, torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        EngineConfig(attention_backend="triton")
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_cpu_engine_never_imports_the_cuda_extras(tiny_llama):
+    code = ("import sys\nfrom engine import LLM\nLLM(sys.argv[1], num_blocks=16).generate('hi', use_tqdm=False)\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('flash_attn', 'xformers')\n"
+            "       or m in ('engine.worker.backends.flash_attn', 'engine.worker.backends.xformers')]\n"
+            "assert not bad, bad\n")
+    result = subprocess.run([sys.executable, "-c", code, str(tiny_llama)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_gpu_kv_budget():
+    gib = 2**30
+    # 140 GiB device, 2 GiB in use after loading, 0.9 utilization, 3 GiB of activations.
+    assert cuda_kv_budget(140 * gib, 138 * gib, 0.9, 3 * gib) == int(140 * gib * 0.9) - 2 * gib - 3 * gib
+    with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
+        cuda_kv_budget(16 * gib, 4 * gib, 0.8, 1 * gib)  # 12 GiB already in use, 12.8 allowed
+
+
+def test_fingerprint_records_the_layout_not_the_backend(tiny_llama):
+    from engine import LLM
+    fingerprint = LLM(str(tiny_llama), num_blocks=16).engine.fingerprint
+    # A CPU prefill and a flash-attn decode with the same dtype may exchange KV: no backend name.
+    assert fingerprint.split(":")[1:] == ["torch.float32", "bs16", "[L,2,N,bs,H,D]"]
