@@ -20,22 +20,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import LLM, SamplingParams  # noqa: E402
 from tests.disagg_utils import Disagg  # noqa: E402
 from tests.server_utils import ServerProcess  # noqa: E402
-from tests.stress.workload import make_jobs, rss_bytes, run_load  # noqa: E402
+from tests.stress.workload import make_jobs, reference_outputs, rss_bytes, run_load  # noqa: E402
 
 ARGS = ("--num-blocks", "220", "--max-model-len", "2048", "--max-num-seqs", "64")
-
-
-def reference(model: str, jobs) -> dict[int, str]:
-    llm = LLM(model, num_blocks=4096, max_model_len=2048)
-    kept = [j for j in jobs if j.disconnect_after is None]
-    outs = llm.generate([j.prompt for j in kept],
-                        [SamplingParams(temperature=0, max_tokens=j.max_tokens, ignore_eos=True) for j in kept],
-                        use_tqdm=False)
-    llm.shutdown()
-    return {j.index: o.outputs[0].text for j, o in zip(kept, outs)}
 
 
 def run_mode(mode: str, model: str, minutes: float, requests: int, rate: float) -> dict:
@@ -53,7 +42,7 @@ def run_mode(mode: str, model: str, minutes: float, requests: int, rate: float) 
         seed = 0
         while time.monotonic() < deadline:
             jobs = make_jobs(requests, seed=seed)
-            expected = reference(model, jobs)
+            expected = reference_outputs(model, jobs)
             summary = asyncio.run(run_load(url, jobs, rate, seed=seed, deadline_s=900))
             totals["rounds"] += 1
             totals["requests"] += len(jobs)

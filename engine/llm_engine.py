@@ -19,13 +19,13 @@ from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
 from engine.kv_transfer.p2p_worker import DEFAULT_CHUNK_BYTES, P2PConnectorWorker
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
-from engine.worker.backends import KV_LAYOUT
 from engine.kv_transfer.tiered import TieredConnectorScheduler, TieredConnectorWorker, TieredStore
 from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.worker import loader
+from engine.worker.backends import KV_LAYOUT
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("engine")

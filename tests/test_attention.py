@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.worker.attention import build_attention_metadata
+from engine.worker.backends.layout import write_kv
 from engine.worker.backends.torch_sdpa import TorchSDPABackend
 from engine.worker.backends.varlen import gather_kv, reference_varlen_attention
 
@@ -42,11 +43,8 @@ class VarlenReferenceBackend:
 
     @staticmethod
     def forward(q, k, v, kv_cache, meta, scale):
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        keys, values = gather_kv(k_cache, v_cache, meta.varlen)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        keys, values = gather_kv(kv_cache[0], kv_cache[1], meta.varlen)
         return reference_varlen_attention(q, keys, values, meta.varlen, scale)
 
 

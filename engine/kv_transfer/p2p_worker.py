@@ -377,8 +377,9 @@ class P2PConnectorWorker(KVConnectorWorker):
             if not _released(in_flight[slot]):
                 return False
             ids = blocks[seq * per_chunk:(seq + 1) * per_chunk]
-            data = self._gather(ids, slot)  # [num_layers, 2, len(ids), block_size, heads, head_dim]
-            payload = memoryview(self._staging[slot * self.slot_bytes:][:len(ids) * self.bytes_per_block].numpy())
+            raw = self._staging[slot * self.slot_bytes:][:len(ids) * self.bytes_per_block]
+            data = self._gather(ids, raw)  # raw as [num_layers, 2, len(ids), block_size, heads, head_dim]
+            payload = memoryview(raw.numpy())
             header = Chunk(transfer_id, "ok", seq=seq, num_chunks=num_chunks, first_block=seq * per_chunk,
                            num_blocks=len(ids), dtype=str(data.dtype).removeprefix("torch."),
                            shape=list(data.shape), nbytes=payload.nbytes)
@@ -390,9 +391,9 @@ class P2PConnectorWorker(KVConnectorWorker):
                 self.stats["bytes_sent"] += payload.nbytes
         return all(_released(tracker) for tracker in in_flight)
 
-    def _gather(self, ids: list[int], slot: int) -> torch.Tensor:
-        shape = [self.kv.shape[0], 2, len(ids), *self.block_shape]
-        out = self._staging[slot * self.slot_bytes:][:len(ids) * self.bytes_per_block].view(self.kv.dtype).view(shape)
+    def _gather(self, ids: list[int], raw: torch.Tensor) -> torch.Tensor:
+        """Copy blocks ``ids`` into the staging bytes ``raw``; returns them viewed as KV."""
+        out = raw.view(self.kv.dtype).view(self.kv.shape[0], 2, len(ids), *self.block_shape)
         index = torch.tensor(ids, dtype=torch.int64, device=self.kv.device)
         if self.kv.device.type == "cpu":
             torch.index_select(self.kv, 2, index, out=out)

@@ -126,11 +126,11 @@ class ModelRunner:
         memory = self.config.cache.kv_cache_memory
         if memory is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            memory = cuda_kv_budget(total, free, self.config.gpu_memory_utilization,
-                                    self._activation_bytes())
+            activations = self._activation_bytes()
+            memory = cuda_kv_budget(total, free, self.config.gpu_memory_utilization, activations)
             logger.info("KV cache budget: %.2f GiB (%.0f%% of %.1f GiB, %.2f GiB in use after loading, "
                         "%.2f GiB kept for activations)", memory / 2**30, 100 * self.config.gpu_memory_utilization,
-                        total / 2**30, (total - free) / 2**30, self._activation_bytes() / 2**30)
+                        total / 2**30, (total - free) / 2**30, activations / 2**30)
         # Transfer staging buffers come out of the same budget: they never grow past it.
         memory = (memory or DEFAULT_CPU_KV_CACHE_MEMORY) - reserved_bytes
         num_blocks = memory // self.bytes_per_block

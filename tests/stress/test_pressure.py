@@ -9,10 +9,9 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
 from tests.disagg_utils import Disagg
 from tests.server_utils import ServerProcess
-from tests.stress.workload import assert_invariants, make_jobs, rss_bytes, run_load
+from tests.stress.workload import assert_invariants, make_jobs, reference_outputs, rss_bytes, run_load
 
 # 2 x (1500 + 128) tokens = 204 blocks of 16: the pool holds about two of the longest requests.
 ARGS = ("--num-blocks", "220", "--max-model-len", "2048", "--max-num-seqs", "64")
@@ -34,14 +33,7 @@ def jobs():
 
 @pytest.fixture(scope="module")
 def expected(stress_model, jobs):
-    """The unpressured reference: a pool big enough for everything at once."""
-    llm = LLM(str(stress_model), num_blocks=4096, max_model_len=2048)
-    finished = [j for j in jobs if j.disconnect_after is None]
-    outs = llm.generate([j.prompt for j in finished],
-                        [SamplingParams(temperature=0, max_tokens=j.max_tokens, ignore_eos=True) for j in finished],
-                        use_tqdm=False)
-    llm.shutdown()
-    return {j.index: out.outputs[0].text for j, out in zip(finished, outs)}
+    return reference_outputs(str(stress_model), jobs)
 
 
 def _check(summary, expected) -> None:

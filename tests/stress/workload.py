@@ -104,6 +104,19 @@ async def run_load(url: str, jobs: list[Job], rate: float, seed: int = 0, deadli
     return summary
 
 
+def reference_outputs(model: str, jobs: list[Job]) -> dict[int, str]:
+    """Greedy texts of the jobs no client abandons, from an unpressured offline run (a pool big
+    enough for everything at once): what the pressured server must reproduce."""
+    from engine import LLM, SamplingParams
+    llm = LLM(model, num_blocks=4096, max_model_len=2048)
+    kept = [j for j in jobs if j.disconnect_after is None]
+    outs = llm.generate([j.prompt for j in kept],
+                        [SamplingParams(temperature=0, max_tokens=j.max_tokens, ignore_eos=True) for j in kept],
+                        use_tqdm=False)
+    llm.shutdown()
+    return {j.index: out.outputs[0].text for j, out in zip(kept, outs)}
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -7,6 +7,7 @@ never raises for a missing, corrupt or unreachable entry: that is a miss.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
 from abc import ABC, abstractmethod
@@ -91,6 +92,25 @@ class KVStore(ABC):
         with self._stats_lock:
             seconds, self.stats.load_seconds = self.stats.load_seconds, []
         return seconds
+
+
+class EvictingStore(KVStore):
+    """A store that evicts to stay under a cap (CPU, disk): pinned keys are never evicted.
+    ``_lock`` guards the store's index and the pin counts together."""
+
+    def __init__(self, fmt: ChunkFormat) -> None:
+        super().__init__(fmt)
+        self._lock = threading.Lock()
+        self._pins: collections.Counter[str] = collections.Counter()
+
+    def pin(self, keys: list[str]) -> None:
+        with self._lock:
+            self._pins.update(keys)
+
+    def unpin(self, keys: list[str]) -> None:
+        with self._lock:
+            self._pins.subtract(keys)
+            self._pins = +self._pins  # drop zero counts
 
 
 DEFAULT_REDIS_TTL_S = 24 * 3600

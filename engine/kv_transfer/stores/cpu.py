@@ -2,22 +2,19 @@
 from __future__ import annotations
 
 import collections
-import threading
 
 import torch
 
-from engine.kv_transfer.stores.base import ChunkFormat, KVStore
+from engine.kv_transfer.stores.base import ChunkFormat, EvictingStore
 
 
-class CPUStore(KVStore):
+class CPUStore(EvictingStore):
     name = "cpu"
 
     def __init__(self, capacity_bytes: int, fmt: ChunkFormat) -> None:
         super().__init__(fmt)
         self.capacity = capacity_bytes
-        self._lock = threading.Lock()
         self._chunks: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()  # LRU first
-        self._pins: collections.Counter[str] = collections.Counter()
         self._used = 0
 
     def contains(self, keys: list[str]) -> list[bool]:
@@ -48,15 +45,6 @@ class CPUStore(KVStore):
             self._chunks[key] = kv
             self._used += nbytes
         self.count(bytes_stored=nbytes)
-
-    def pin(self, keys: list[str]) -> None:
-        with self._lock:
-            self._pins.update(keys)
-
-    def unpin(self, keys: list[str]) -> None:
-        with self._lock:
-            self._pins.subtract(keys)
-            self._pins = +self._pins  # drop zero counts
 
     def used_bytes(self) -> int:
         return self._used

@@ -12,13 +12,13 @@ import time
 import torch
 
 from engine.kv_transfer import serde
-from engine.kv_transfer.stores.base import ChunkFormat, KVStore
+from engine.kv_transfer.stores.base import ChunkFormat, EvictingStore
 
 logger = logging.getLogger("engine.kv_store")
 SUFFIX = ".kv"
 
 
-class DiskStore(KVStore):
+class DiskStore(EvictingStore):
     name = "disk"
 
     def __init__(self, path: str, capacity_bytes: int, fmt: ChunkFormat) -> None:
@@ -26,9 +26,7 @@ class DiskStore(KVStore):
         self.dir = os.path.abspath(os.path.expanduser(path))
         self.capacity = capacity_bytes
         os.makedirs(self.dir, exist_ok=True)
-        self._lock = threading.Lock()
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> bytes, LRU first
-        self._pins: collections.Counter[str] = collections.Counter()
         self._used = 0
         self._last_write_warning = 0.0
         self._rebuild_index()
@@ -140,15 +138,6 @@ class DiskStore(KVStore):
         if unlink:
             with contextlib.suppress(OSError):
                 os.unlink(self._file(key))
-
-    def pin(self, keys: list[str]) -> None:
-        with self._lock:
-            self._pins.update(keys)
-
-    def unpin(self, keys: list[str]) -> None:
-        with self._lock:
-            self._pins.subtract(keys)
-            self._pins = +self._pins
 
     def used_bytes(self) -> int:
         return self._used

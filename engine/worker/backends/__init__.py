@@ -9,9 +9,9 @@ import logging
 
 import torch
 
-logger = logging.getLogger("engine.worker")
+from engine.worker.backends.layout import KV_LAYOUT  # noqa: F401  (re-exported: the fingerprint's layout)
 
-KV_LAYOUT = "[L,2,N,bs,H,D]"  # [layers, K/V, blocks, block_size, kv heads, head dim]
+logger = logging.getLogger("engine.worker")
 AUTO_ORDER = ("flash_attn", "xformers", "torch")  # fastest first
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.worker.attention import AttentionMetadata
+from engine.worker.backends.layout import kv_cache_shape, write_kv
 from engine.worker.backends.varlen import gather_kv
 
 
@@ -17,21 +18,14 @@ class FlashAttnBackend:
         from flash_attn import flash_attn_varlen_func
         self._varlen = flash_attn_varlen_func
 
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        # [K/V, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's paged layout per K and V,
-        # and the same layout as every other backend (transfers and stores never convert).
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache_shape = staticmethod(kv_cache_shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         varlen = meta.varlen
         window = (varlen.sliding_window - 1, 0) if varlen.sliding_window else (-1, -1)
-        keys, values = gather_kv(k_cache, v_cache, varlen)
+        keys, values = gather_kv(kv_cache[0], kv_cache[1], varlen)
         return self._varlen(q, keys, values, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q,
                             varlen.max_seqlen_k, softmax_scale=scale, causal=True, window_size=window)

@@ -5,26 +5,23 @@ import torch
 import torch.nn.functional as F
 
 from engine.worker.attention import AttentionMetadata
+from engine.worker.backends.layout import kv_cache_shape, write_kv
 
 
 class TorchSDPABackend:
     name = "torch"
     needs_varlen = False  # consumes the decode groups and prefill ranges of AttentionMetadata
 
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        # [K/V, num_blocks, block_size, num_kv_heads, head_dim]
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache_shape = staticmethod(kv_cache_shape)
 
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         gqa = q.shape[1] != num_kv_heads
 

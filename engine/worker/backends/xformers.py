@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.worker.attention import AttentionMetadata
+from engine.worker.backends.layout import kv_cache_shape, write_kv
 from engine.worker.backends.varlen import gather_kv
 
 
@@ -17,19 +18,14 @@ class XFormersBackend:
         from xformers.ops import fmha
         self._fmha = fmha
 
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)  # the shared layout
+    kv_cache_shape = staticmethod(kv_cache_shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         varlen = meta.varlen
-        keys, values = gather_kv(k_cache, v_cache, varlen)
-        groups = q.shape[1] // num_kv_heads
+        keys, values = gather_kv(kv_cache[0], kv_cache[1], varlen)
+        groups = q.shape[1] // keys.shape[1]
         if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
             keys = keys.repeat_interleave(groups, dim=1)
             values = values.repeat_interleave(groups, dim=1)
