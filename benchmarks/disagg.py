@@ -83,12 +83,12 @@ def connector_gbps(num_blocks: int, use_tcp: bool, scattered: bool = False) -> f
     for trial in range(3):
         rid = f"r{trial}"
         producer.start_load_kv(P2PMetadata(sends=[SendSpec(rid, list(range(num_blocks)), num_blocks * BLOCK,
-                                                           time.monotonic() + 60)]))
+                                                           time.monotonic() + 60, "bench")]))
         dst = list(range(8, 8 + num_blocks))
         if scattered:
             random.Random(trial).shuffle(dst)
         start = time.perf_counter()
-        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, dst, time.monotonic() + 60)]))
+        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, dst, time.monotonic() + 60, "bench")]))
         while True:
             out = consumer.get_finished()
             if out.finished_recving or out.failed_recving:
@@ -96,7 +96,8 @@ def connector_gbps(num_blocks: int, use_tcp: bool, scattered: bool = False) -> f
             time.sleep(0.0005)
         elapsed = time.perf_counter() - start
         assert out.finished_recving == {rid}, out.failure_reasons
-        best = max(best, num_blocks * producer.bytes_per_block / elapsed / 1e9)
+        bytes_per_block = producer.kv[:, :, 0].numel() * producer.kv.element_size()
+        best = max(best, num_blocks * bytes_per_block / elapsed / 1e9)
     assert torch.equal(consumer.kv[:, :, dst], producer.kv[:, :, :num_blocks])
     producer.shutdown()
     consumer.shutdown()

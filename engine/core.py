@@ -117,7 +117,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
             raise SystemExit(1)
         core = EngineCore(engine, max_queue_len)
         push.send(encoder.encode(EngineInfo(engine.max_model_len, engine.vocab_size, config.block_size,
-                                            engine.runner.num_blocks, engine.fingerprint)))
+                                            engine.runner.num_blocks, engine.fingerprint,
+                                            config.max_num_seqs)))
         try:
             _loop(core, pull, push, encoder, decoder, parent_pid)
         finally:

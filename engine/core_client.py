@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.core import run_engine_core
 from engine.ipc import (AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats, FromCore, Outputs,
                         RequestDelta, Shutdown)
+from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine.client")
@@ -129,20 +130,24 @@ class AsyncEngineClient:
             self.on_dead(error)
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          kv_transfer_params: dict | None = None) -> "RequestStream":
+                          kv_transfer_params: KVTransferParams | None = None) -> "RequestStream":
         """Queue a request and wait for the engine to accept it (raises EngineRequestError
         with the HTTP status when it refuses). The caller must close() the stream."""
         if self.dead is not None:
             raise EngineDeadError(f"engine error: {self.dead.splitlines()[0]}")
         if request_id in self._queues:
             raise EngineRequestError(400, f"request id {request_id!r} is already in use", "request_id")
+        try:
+            message = self._encoder.encode(AddRequest(request_id, prompt_token_ids, params, time.time(),
+                                                      kv_transfer_params))
+        except (OverflowError, TypeError, ValueError) as exc:  # validated upstream; a last line of defence
+            raise EngineRequestError(400, f"the request cannot be passed to the engine: {exc}") from None
         stream = RequestStream(self, request_id)
         ack: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queues[request_id] = stream.queue
         self._acks[request_id] = ack
         try:
-            await self._push.send(self._encoder.encode(
-                AddRequest(request_id, prompt_token_ids, params, time.time(), kv_transfer_params)))
+            await self._push.send(message)
             answer: Ack = await ack
         except BaseException:
             stream.close()

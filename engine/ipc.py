@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
 # (token_id, logprob, rank, decoded token) with the sampled token first.
@@ -19,7 +20,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -40,6 +41,7 @@ class EngineInfo(msgspec.Struct, tag="ready"):
     block_size: int
     num_blocks: int
     fingerprint: str
+    max_num_seqs: int = 256
 
 
 class Ack(msgspec.Struct, tag="ack"):
@@ -64,7 +66,7 @@ class RequestDelta(msgspec.Struct):
     choices: list[ChoiceDelta]
     finished: bool
     num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None
 

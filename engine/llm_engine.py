@@ -17,9 +17,11 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
-from engine.kv_transfer.p2p_worker import DEFAULT_CHUNK_BYTES, P2PConnectorWorker
+from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
+from engine.kv_transfer.p2p_worker import STAGING_BYTES, P2PConnectorWorker
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
-from engine.kv_transfer.tiered import TieredConnectorScheduler, TieredConnectorWorker, TieredStore
+from engine.kv_transfer.tiered import TieredConnectorScheduler
+from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
 from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -29,6 +31,8 @@ from engine.worker.backends import KV_LAYOUT
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("engine")
+
+MAX_REQUEST_ID_LEN = 256
 
 
 class OutputKind(enum.Enum):
@@ -60,7 +64,7 @@ class _RequestState:
     children: dict[str, _Child]
     arrival_time: float
     num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None
 
@@ -87,7 +91,7 @@ class LLMEngine:
         transfer = config.kv_transfer_config
         uses_p2p = transfer is not None and transfer.kv_connector == "p2p"
         self.runner = ModelRunner(config, model_dir, self.eos_token_ids,
-                                  reserved_bytes=2 * DEFAULT_CHUNK_BYTES if uses_p2p else 0)
+                                  reserved_bytes=STAGING_BYTES if uses_p2p else 0)
         # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
         # (Every attention backend shares it, so a CPU prefill and a flash-attn decode of the same
         # dtype are compatible.)
@@ -134,7 +138,7 @@ class LLMEngine:
         logger.info("KV store tiers: %s (%d-token chunks of %.1f MiB)", ", ".join(s.name for s in tiers.stores),
                     config.kv_chunk_tokens, fmt.nbytes / 2**20)
         self.runner.set_connector(TieredConnectorWorker(tiers))
-        return TieredConnectorScheduler(tiers, config.block_size, config.kv_chunk_tokens)
+        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens)
 
     def _eos_token_ids(self, hf_config: dict, gen_config: dict) -> frozenset[int]:
         ids: set[int] = set()
@@ -156,9 +160,11 @@ class LLMEngine:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]!r} is out of vocabulary (size {self.vocab_size})", "prompt")
+        for field, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]!r} in {field} is out of vocabulary "
+                                          f"(size {self.vocab_size})", field)
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
@@ -179,9 +185,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY, arrival_time: float | None = None,
-                    kv_transfer_params: dict | None = None) -> None:
+                    kv_transfer_params: KVTransferParams | dict | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (a ValueError) for a bad one; then
         nothing was queued."""
+        try:
+            kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
+        except KVTransferParamsError as exc:
+            raise InvalidRequestError(str(exc), exc.param) from None
+        if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+            raise InvalidRequestError(f"request id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} "
+                                      "characters", "request_id")
         if request_id in self._states:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
@@ -197,6 +210,9 @@ class LLMEngine:
         tokenizer = self.tokenizer._tokenizer
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            # The n samples share one prompt, so one KV transfer: the first sample pulls it (or
+            # offers it), the others wait for it to land and then hit the prefix cache.
+            leads = index == 0 or kv_transfer_params is None
             # The n samples differ through their seeds; a seeded request stays reproducible.
             child_params = params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + index)
             children[child_id] = _Child(index, IncrementalDetokenizer(tokenizer, prompt_token_ids, child_params),
@@ -205,7 +221,8 @@ class LLMEngine:
             self._child_to_parent[child_id] = request_id
             self.scheduler.add_request(Request(
                 child_id, prompt_token_ids, child_params, self.eos_token_ids, max_tokens,
-                self.block_hasher, arrival_time, kv_transfer_params))
+                self.block_hasher, arrival_time, kv_transfer_params if leads else None,
+                kv_leader=None if leads else child_ids[0]))
         self._states[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, kind, children,
                                                   arrival_time)
 
@@ -251,7 +268,12 @@ class LLMEngine:
             if state is None:
                 continue  # aborted meanwhile
             child = state.children[out.req_id]
-            self._apply(state, child, out)
+            try:
+                self._apply(state, child, out)
+            except Exception as exc:  # one request's output (detokenizing, say) never stops the step
+                logger.exception("request %s: processing its output failed; ending it", out.req_id)
+                self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_ERROR)
+                child.finish_reason, state.error = "error", f"output processing failed: {type(exc).__name__}: {exc}"
             touched[state.request_id] = state
         results = []
         for state in touched.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
 # (token_id, logprob, rank) with the sampled token first, then the top-k.
@@ -48,6 +49,9 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
     failure_reasons: dict[str, str] = field(default_factory=dict)
+    # Store lookups answered since the last step: request id -> how many consecutive chunks,
+    # from the first one asked, some tier holds (and the worker pinned for the request).
+    lookups: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -68,7 +72,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None
 
@@ -103,6 +107,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None

@@ -5,6 +5,7 @@ import enum
 import time
 from typing import Callable
 
+from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
 
@@ -53,7 +54,8 @@ class Request:
         max_tokens: int,
         block_hasher: Callable[["Request"], None] | None = None,
         arrival_time: float | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
+        kv_leader: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,6 +64,8 @@ class Request:
         self.max_tokens = max_tokens  # resolved: never None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.kv_transfer_params = kv_transfer_params
+        # Another of the same n samples that loads the shared prompt's KV: wait for it.
+        self.kv_leader = kv_leader
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

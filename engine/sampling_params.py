@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 MAX_LOGPROBS = 20
+MAX_INT = 2**63 - 1  # every int crosses process boundaries as a signed 64-bit msgpack int
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
 GREEDY_EPS = 1e-5
 
@@ -30,6 +31,8 @@ def _check_int(name: str, value: object, minimum: int) -> int:
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > MAX_INT:
+        raise ValueError(f"{name} must be <= {MAX_INT}, got {value}")
     return value
 
 
@@ -79,7 +82,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an int, got {type(self.top_k).__name__} {self.top_k!r}")
-        if self.top_k < -1:
+        if not -1 <= self.top_k <= MAX_INT:
             raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
         self.top_k = max(self.top_k, 0)
         self.min_p = _check_float("min_p", self.min_p)
@@ -97,6 +100,8 @@ class SamplingParams:
 
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit signed int, got {self.seed}")
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
@@ -137,7 +142,7 @@ class SamplingParams:
     def _normalise_stop_token_ids(ids: object) -> list[int]:
         if ids is None:
             return []
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= MAX_INT for i in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
         return list(ids)
 

@@ -6,6 +6,7 @@ tokens (or a chunk of them) per request, so prefill chunks and decode tokens sha
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
@@ -14,11 +15,20 @@ from dataclasses import dataclass
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import KVConnectorScheduler, NoOpConnectorScheduler
+from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                             NewRequestData, SchedulerOutput)
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger("engine.scheduler")
+
+
+class Admission(enum.Enum):
+    SCHEDULED = enum.auto()   # running from this step
+    LOADING = enum.auto()     # blocks allocated; its KV is being loaded
+    NO_MEMORY = enum.auto()   # nothing changed: the pool cannot hold it now
+    ASK_AGAIN = enum.auto()   # the connector does not know yet how much it can supply
+    FAILED = enum.auto()      # ended with an error (its own contents made it fail)
 
 
 @dataclass(slots=True)
@@ -84,20 +94,30 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Plan one step.
+
+        Liveness invariant: every request that holds blocks is running, loading its KV
+        (WAITING_FOR_REMOTE_KV, resolved by the worker before a deadline) or *parked* (its
+        KV arrived; it waits to run). All three count against ``max_num_seqs``. Parked
+        requests are scheduled before anything else in the queue and are the first victims
+        of preemption, so blocks can never all sit with requests that will not run: as long
+        as a request fits the pool alone, some request makes progress.
+        """
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted = False
 
-        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        # 1. Running requests, oldest first; preempt (parked requests, then the newest
+        # running one) when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim = self._newest_parked() or self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -112,51 +132,36 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             i += 1
 
-        # 2. Waiting requests, in order, while there is room. Not after a preemption: the
-        # preempted requests are at the front of the queue and the pool is full anyway.
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                skipped.append(self.waiting.popleft())
-                continue
-            if request.request_id in self.kv.req_to_blocks:
-                # Its remote KV arrived: the blocks are allocated and the counter advanced.
-                computed_blocks, num_local, num_external, load_async = [], request.num_computed_tokens, 0, False
-            else:
-                computed_blocks, num_local = self.kv.get_computed_blocks(request)
-                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-            num_computed = num_local + num_external
-            num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
-            new_block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_external,
-                                                   delay_caching=load_async)
-            if new_block_ids is None:
-                break  # wait for memory; never jump the queue
-            self.waiting.popleft()
-            block_ids = self.kv.get_block_ids(request.request_id)
-            self.connector.update_state_after_alloc(request, block_ids, num_local, num_external)
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_computed
-                self.kv.record_prefix_stats(request, num_local)
-            request.num_computed_tokens = num_computed
-            if load_async:
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                logger.debug("request %s: WAITING_FOR_REMOTE_KV (%d tokens to load, %d local)", request.request_id,
-                             num_external, num_local)
-                skipped.append(request)
-                continue
-            request.status = RequestStatus.RUNNING
-            logger.debug("request %s: RUNNING (%d of %d tokens computed)", request.request_id, num_computed,
-                         request.num_tokens)
-            if request.queue_time is None:
-                request.queue_time = time.monotonic() - request.arrival_time
-            self.running.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            new_reqs.append(NewRequestData(
-                request.request_id, request.prompt_token_ids, list(request.output_token_ids),
-                request.sampling_params, block_ids, num_computed))
-        self.waiting.extendleft(reversed(skipped))
+        # 2. Waiting requests: parked ones first (they already hold blocks), then the rest in
+        # order while there is room. Not after a preemption: the preempted requests are at
+        # the front of the queue and the pool is full anyway.
+        if not preempted:
+            num_holding = len(self.running) + sum(self._holds_blocks(r) for r in self.waiting)
+            for request in sorted(self.waiting, key=lambda r: not self._is_parked(r)):  # stable
+                if budget <= 0:
+                    break
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KV or self._follows_a_load(request):
+                    continue
+                parked = self._is_parked(request)
+                if not parked and num_holding >= self.max_num_seqs:
+                    break
+                outcome, num_new = self._admit(request, budget, parked)
+                if outcome is Admission.NO_MEMORY:
+                    if parked:
+                        continue  # other parked requests may still fit; the queue head waits
+                    break  # never jump the queue
+                num_holding += not parked and outcome in (Admission.SCHEDULED, Admission.LOADING)
+                if outcome is Admission.SCHEDULED:
+                    self.running.append(request)
+                    num_scheduled[request.request_id] = num_new
+                    budget -= num_new
+                    new_reqs.append(NewRequestData(
+                        request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                        request.sampling_params, self.kv.get_block_ids(request.request_id),
+                        request.num_computed_tokens))
+            # Admitted and ended requests leave the queue; everything else keeps its place.
+            self.waiting = deque(r for r in self.waiting if r.status in (
+                RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.PREEMPTED))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -172,15 +177,97 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
         return output
 
+    def _admit(self, request: Request, budget: int, parked: bool) -> tuple[Admission, int]:
+        """Allocate a waiting request's blocks: for its prefix hit, for KV the connector can
+        supply, and for up to ``budget`` tokens to compute now. One request's contents (its
+        KV transfer parameters, say) can only fail that request, never the step."""
+        if parked:
+            # Its KV arrived: the blocks are allocated and the counter advanced.
+            computed_blocks, num_local, num_external, load_async = [], request.num_computed_tokens, 0, False
+        else:
+            computed_blocks, num_local = self.kv.get_computed_blocks(request)
+            try:
+                match = self.connector.get_num_new_matched_tokens(request, num_local)
+            except Exception as exc:
+                return self._fail_admission(request, exc), 0
+            if match is None:
+                return Admission.ASK_AGAIN, 0
+            num_external, load_async = match
+        num_computed = num_local + num_external
+        num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+        new_block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_external,
+                                               delay_caching=load_async)
+        if new_block_ids is None:
+            if parked:
+                # Parked requests may stand in each other's way (all blocks parked, nothing
+                # running): make room from the newest other one.
+                victim = self._newest_parked(besides=request)
+                if victim is not None:
+                    self._preempt(victim)
+                    return self._admit(request, budget, parked)
+            return Admission.NO_MEMORY, 0
+        try:
+            self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
+                                                    num_local, num_external)
+        except Exception as exc:
+            return self._fail_admission(request, exc), 0
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_computed
+            self.kv.record_prefix_stats(request, num_local)
+        request.num_computed_tokens = num_computed
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            logger.debug("request %s: WAITING_FOR_REMOTE_KV (%d tokens to load, %d local)", request.request_id,
+                         num_external, num_local)
+            return Admission.LOADING, 0
+        request.status = RequestStatus.RUNNING
+        logger.debug("request %s: RUNNING (%d of %d tokens computed)", request.request_id, num_computed,
+                     request.num_tokens)
+        if request.queue_time is None:
+            request.queue_time = time.monotonic() - request.arrival_time
+        return Admission.SCHEDULED, num_new
+
+    def _fail_admission(self, request: Request, exc: Exception) -> Admission:
+        logger.exception("request %s: the KV connector failed on it; ending it", request.request_id)
+        self._finish_with_error(request, f"KV connector error: {type(exc).__name__}: {exc}")
+        return Admission.FAILED
+
+    def _finish_with_error(self, request: Request, error: str) -> None:
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
+        self._free_request(request)
+        self._pending_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
+                                                      error=error))
+
+    def _is_parked(self, request: Request) -> bool:
+        """Waiting to run with blocks already allocated: its KV arrived from outside."""
+        return request.status == RequestStatus.WAITING and request.request_id in self.kv.req_to_blocks
+
+    def _holds_blocks(self, request: Request) -> bool:
+        return request.status == RequestStatus.WAITING_FOR_REMOTE_KV or self._is_parked(request)
+
+    def _newest_parked(self, besides: Request | None = None) -> Request | None:
+        return next((r for r in reversed(self.waiting) if r is not besides and self._is_parked(r)), None)
+
+    def _follows_a_load(self, request: Request) -> bool:
+        """One of n samples whose sibling pulls the shared prompt's KV: it waits until that KV
+        arrived (then hits the prefix cache) instead of computing or pulling it again."""
+        leader = self.requests.get(request.kv_leader) if request.kv_leader else None
+        return leader is not None and (leader.status == RequestStatus.WAITING_FOR_REMOTE_KV or (
+            leader.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and leader.num_cached_tokens is None))
+
     def _preempt(self, request: Request) -> None:
-        """Recompute-based preemption: free everything, go back to the front of the queue."""
+        """Recompute-based preemption: free everything; a running request goes back to the
+        front of the queue, a parked one keeps its place (its KV stays in the prefix cache)."""
         self.kv.free(request)
+        was_running = request.status == RequestStatus.RUNNING
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self._finished_req_ids.add(request.request_id)
-        self.waiting.appendleft(request)
+        if was_running:
+            self.waiting.appendleft(request)
         logger.warning("preempted request %s (total preemptions: %d); KV pool too small for the running set",
                        request.request_id, self.stats.num_preemptions)
 
@@ -215,6 +302,7 @@ class Scheduler:
         """Apply what the connector's worker half finished: sends release held blocks; loads
         make their request runnable, or (on failure) recompute or fail it."""
         kv_out = runner_output.kv_connector_output
+        self.connector.update_connector_output(kv_out)
         outputs = []
         for req_id in kv_out.finished_sending:
             request = self.held.pop(req_id, None)
@@ -252,10 +340,14 @@ class Scheduler:
             outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=request.error))
         return outputs
 
-    def _free_request(self, request: Request) -> dict | None:
+    def _free_request(self, request: Request) -> KVTransferParams | None:
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        hold, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        try:
+            hold, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        except Exception:  # one request's state must never stop the step: free it, hand back nothing
+            logger.exception("request %s: the KV connector failed while ending it", request.request_id)
+            hold, params = False, None
         logger.debug("request %s: %s%s", request.request_id, request.status.name,
                      ", blocks held for a KV transfer" if hold else "")
         if hold:

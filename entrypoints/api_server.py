@@ -3,27 +3,34 @@ process parses, tokenizes, validates, streams, measures, and never blocks on the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import json
 import logging
 import time
 from typing import AsyncIterator
 
+import msgspec
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core_client import AsyncEngineClient, EngineRequestError, RequestStream
 from engine.ipc import ChoiceDelta, LogprobEntry
+from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
 from engine.sampling_params import MAX_LOGPROBS
 from entrypoints.metrics import ServerMetrics
 from entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, ModelCard,
-                                  ModelList, UsageInfo, random_id)
+                                  ModelList, UsageInfo, document_request_bodies, random_id)
 
 logger = logging.getLogger("engine.api")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                500: "internal_server_error", 503: "service_unavailable"}
+                413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+MAX_BODY_BYTES = 32 * 2**20
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
 class APIError(Exception):
@@ -39,23 +46,49 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def _chat_message(index: int, message) -> dict:
+    """A message as the chat template sees it: content parts (OpenAI's list form) must be
+    text, and are joined; anything else is a 400 naming the part."""
+    if message.role not in CHAT_ROLES:
+        raise APIError(400, f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}",
+                       f"messages.{index}.role")
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        texts = []
+        for j, part in enumerate(message.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{index}].content[{j}]: only text parts ({{\"type\": \"text\", "
+                                    f"\"text\": ...}}) are supported", f"messages.{index}.content.{j}")
+            texts.append(part["text"])
+        out["content"] = "\n".join(texts)
+    return out
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 class OpenAIServer:
     def __init__(self, client: AsyncEngineClient, tokenizer, served_model_names: list[str],
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_names = served_model_names
         self.api_key = api_key
+        self.trust_request_chat_template = trust_request_chat_template
+        # Tokenizing and rendering chat templates run here, off the event loop, one at a time
+        # (a fast tokenizer must not be entered from two threads at once).
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.metrics = ServerMetrics(served_model_names[0], lambda: client.stats)
         client.on_stats = self.metrics.observe_stats
 
     # ---- input -------------------------------------------------------------------------
     async def _parse(self, raw: Request, model_cls):
+        if int(raw.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
         body = await raw.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -66,7 +99,8 @@ class OpenAIServer:
             request = model_cls.model_validate(data)
         except pydantic.ValidationError as exc:
             err = exc.errors()[0]
-            loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str", "int"))]
+            # Drop pydantic's union-member tags ("str", "list[int]", "function-after[...]").
+            loc = [str(p) for p in err["loc"] if "[" not in str(p) and str(p) not in _TYPE_TAGS]
             param = ".".join(loc) or None
             raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param)
         if request.model is not None and request.model not in self.model_names:
@@ -94,9 +128,12 @@ class OpenAIServer:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        if not messages:
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: this server only renders its own "
+                                "(the operator can allow it with --trust-request-chat-template)", "chat_template")
+        if not request.messages:
             raise APIError(400, "messages must not be empty", "messages")
+        messages = [_chat_message(i, m) for i, m in enumerate(request.messages)]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=request.chat_template,
                                                       add_generation_prompt=request.add_generation_prompt)
@@ -104,13 +141,47 @@ class OpenAIServer:
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _check_request(self, request, prompts: list[list[int]], params) -> list[KVTransferParams | None]:
+        """Limits and the typed kv_transfer_params (one per prompt), before the engine sees them."""
+        if request.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
+        vocab = self.client.info.vocab_size
+        for field, ids in (("prompt", [t for p in prompts for t in p]), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} in {field} is out of vocabulary (size {vocab})", field)
+        num_prompts = len(prompts)
+        max_seqs = self.client.info.max_num_seqs
+        if num_prompts * params.n > max_seqs:
+            raise APIError(400, f"this request asks for {num_prompts} prompt(s) x n={params.n} sequences; at most "
+                                f"{max_seqs} (--max-num-seqs) are served per request", "n" if num_prompts == 1 else "prompt")
+        value = request.kv_transfer_params
+        if isinstance(value, list):
+            if len(value) != num_prompts:
+                raise APIError(400, f"kv_transfer_params has {len(value)} entries for {num_prompts} prompts",
+                               "kv_transfer_params")
+            items = value
+        else:
+            items = [value] * num_prompts
+        try:
+            parsed = [parse_kv_transfer_params(v) for v in items]
+        except KVTransferParamsError as exc:
+            raise APIError(400, str(exc), exc.param)
+        if not isinstance(value, list) and num_prompts > 1 and parsed[0] is not None and parsed[0].do_remote_prefill:
+            raise APIError(400, "one do_remote_prefill object cannot serve several prompts: send a list with one "
+                                "entry per prompt (as the prefill instance returned it)", "kv_transfer_params")
+        return parsed
+
     # ---- endpoints ---------------------------------------------------------------------
     async def completions(self, raw: Request) -> Response:
         request: CompletionRequest = await self._parse(raw, CompletionRequest)
         if request.logprobs is not None and request.logprobs > 5:
             raise APIError(400, f"logprobs must be at most 5 for completions, got {request.logprobs}", "logprobs")
         params = self._sampling_params(request, request.max_tokens, request.logprobs)
-        prompts = self._completion_prompts(request.prompt)
+        prompts = await self._off_loop(self._completion_prompts, request.prompt)
         return await self._serve(raw, request, "cmpl", prompts, params, chat=False)
 
     async def chat_completions(self, raw: Request) -> Response:
@@ -120,17 +191,21 @@ class OpenAIServer:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self._sampling_params(request, max_tokens, logprobs)
-        return await self._serve(raw, request, "chatcmpl", [self._chat_prompt(request)], params, chat=True)
+        prompt = await self._off_loop(self._chat_prompt, request)
+        return await self._serve(raw, request, "chatcmpl", [prompt], params, chat=True)
 
     async def _serve(self, raw: Request, request, prefix: str, prompts: list[list[int]], params,
                      chat: bool) -> Response:
+        kv_params = self._check_request(request, prompts, params)
         request_id = request.request_id or raw.headers.get("x-request-id") or random_id(prefix)
+        if len(request_id) > 256:
+            raise APIError(400, "X-Request-Id must be at most 256 characters", "request_id")
         arrival = time.monotonic()
         streams: list[RequestStream] = []
         try:
             for i, prompt_ids in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.client.add_request(sub_id, prompt_ids, params, request.kv_transfer_params))
+                streams.append(await self.client.add_request(sub_id, prompt_ids, params, kv_params[i]))
         except EngineRequestError as exc:
             for s in streams:
                 s.close()
@@ -190,7 +265,7 @@ class _Response:
         self.last_token_at: float | None = None
         self.itls: list[float] = []
         self.queue_time = 0.0
-        self.kv_transfer_params: dict | None = None
+        self.kv_transfer_params: dict[int, KVTransferParams] = {}  # by prompt index
 
     def _record(self, prompt_index: int, delta) -> None:
         now = time.monotonic()
@@ -205,7 +280,7 @@ class _Response:
         if delta.queue_time is not None:
             self.queue_time = max(self.queue_time, delta.queue_time)
         if delta.kv_transfer_params is not None:
-            self.kv_transfer_params = delta.kv_transfer_params
+            self.kv_transfer_params[prompt_index] = delta.kv_transfer_params
         self.finish_reasons += [c.finish_reason for c in delta.choices if c.finish_reason is not None]
 
     def _finish_metrics(self, aborted: bool = False) -> None:
@@ -305,8 +380,10 @@ class _Response:
             choices.append(choice)
         body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
-        if self.kv_transfer_params is not None:
-            body["kv_transfer_params"] = self.kv_transfer_params
+        if self.kv_transfer_params:
+            # One per prompt, in prompt order (a list only when the request had several).
+            params = [msgspec.to_builtins(self.kv_transfer_params.get(i)) for i in range(len(self.prompts))]
+            body["kv_transfer_params"] = params if len(params) > 1 else params[0]
         return JSONResponse(body, headers={"X-Request-Id": self.request_id})
 
     # ---- streaming ---------------------------------------------------------------------
@@ -335,7 +412,8 @@ class _Response:
                     out.append(self._stream_choice(index, c, offsets))
                     offsets[index] = offsets.get(index, 0) + len(c.text)
                 if out:
-                    kv = {"kv_transfer_params": delta.kv_transfer_params} if delta.kv_transfer_params else {}
+                    kv = ({"kv_transfer_params": msgspec.to_builtins(delta.kv_transfer_params)}
+                          if delta.kv_transfer_params else {})
                     yield chunk(out, **kv)
             else:
                 if include_usage:
@@ -375,7 +453,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         if server.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {server.api_key}":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {server.api_key}".encode()):  # constant time
                 return APIError(401, "Unauthorized: missing or wrong API key").response()
         return await call_next(request)
 
@@ -409,6 +488,9 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    document_request_bodies(app, {"/v1/completions": CompletionRequest,
+                                  "/v1/chat/completions": ChatCompletionRequest})
 
     @app.get("/status")
     async def status():

@@ -108,7 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         client = AsyncEngineClient(config, args.max_queue_len)
         await client.start()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        app = build_app(OpenAIServer(client, tokenizer, served, api_key))
+        app = build_app(OpenAIServer(client, tokenizer, served, api_key,
+                                     trust_request_chat_template=args.trust_request_chat_template))
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=10))
 
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--served-model-name", nargs="+", default=None,
                      help="model name(s) the API answers to (default: the MODEL argument)")
     srv.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or set ENGINE_API_KEY)")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept a chat_template in chat requests (a client's Jinja runs on this server; "
+                          "refused with 400 by default)")
     srv.add_argument("--max-queue-len", type=int, default=None,
                      help="answer 503 when this many requests are already waiting (default: unbounded)")
     srv.add_argument("--role", default="both", choices=["both", "prefill", "decode"],

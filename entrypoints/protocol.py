@@ -41,8 +41,10 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    request_id: str | None = None
+    # One object for every prompt, or (a prefill instance's answer to a prompt list) one per prompt.
+    kv_transfer_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field on a bad value."""
@@ -113,3 +115,26 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def document_request_bodies(app, routes: dict[str, type[BaseModel]]) -> None:
+    """Declare the real request models in the app's OpenAPI schema. The handlers parse bodies
+    themselves (so errors are OpenAI-shaped 400s naming the field), which FastAPI cannot see;
+    schema-driven clients and fuzzers (schemathesis) read the models from here."""
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in routes.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -25,6 +25,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from entrypoints.protocol import ChatCompletionRequest, CompletionRequest, document_request_bodies
+
 logger = logging.getLogger("engine.proxy")
 
 
@@ -79,6 +81,9 @@ class Proxy:
         p_body.pop("stream_options", None)
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 1:
+            p_body["min_tokens"] = 1  # P samples one token; D enforces the client's min_tokens
         last_error = None
         for upstream in self.ordered(self.prefills):
             upstream.in_flight += 1
@@ -230,6 +235,9 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
     @app.get("/health")
     async def health():
         return await proxy.health()
+
+    document_request_bodies(app, {"/v1/completions": CompletionRequest,
+                                  "/v1/chat/completions": ChatCompletionRequest})
 
     @app.get("/status")
     async def status():

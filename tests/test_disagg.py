@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.kv_transfer.params import token_digest
 from tests.disagg_utils import Disagg
 from tests.server_utils import ServerProcess, free_port
 
@@ -75,14 +76,24 @@ def test_streaming_and_chat_through_proxy(pd, colocated):
 
 
 def test_prefix_hit_on_decode(pd, colocated):
+    """FAULTS 20, full prefix hit on D: the second time, D's own prefix cache holds every prompt
+    token it may reuse (289 tokens: 288 in whole blocks, the last one is always recomputed), so
+    D pulls nothing and tells P to release its copy at once, long before P's 30 s lease."""
     client = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="x", max_retries=0)
-    prompt = _token_prompts()[4]
+    prompt = _token_prompts()[4][:289]
     want = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                               use_tqdm=False)[0].outputs[0].text
-    for _ in range(2):  # the second time D already holds most of the prefix
-        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
-                                        extra_body={"ignore_eos": True})
-        assert got.choices[0].text == want
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert first.choices[0].text == want and first.usage.prompt_tokens_details.cached_tokens == 288
+    pd.wait_idle()
+    p_bytes, d_bytes = pd.prefill.status()["kv_transfer"]["bytes"], pd.decode.status()["kv_transfer"]["bytes"]
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert second.choices[0].text == want and second.usage.prompt_tokens_details.cached_tokens == 288
+    pd.prefill.wait_idle(timeout=5)  # released by D, not by the lease
+    assert pd.prefill.status()["kv_transfer"]["bytes"] == p_bytes
+    assert pd.decode.status()["kv_transfer"]["bytes"] == d_bytes
 
 
 def test_32_concurrent_requests(pd, colocated):
@@ -98,6 +109,63 @@ def test_32_concurrent_requests(pd, colocated):
 
     results = asyncio.run(run())
     assert [r.choices[0].text for r in results] == expected
+
+
+def test_prompt_lists_and_n_through_the_proxy(pd, colocated):
+    """FAULTS 28: each prompt of a list, and each of n samples, gets its own prompt's KV. (Once,
+    every sub-request pulled the first prompt's KV and cached it under its own hashes.)"""
+    prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].text for o in colocated.generate(prompts, params, use_tqdm=False)]
+    resp = httpx.post(f"{pd.url}/v1/completions", timeout=60, json={
+        "prompt": prompts, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert [c["text"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])] == want
+    # n seeded samples of one prompt: the same n texts as colocated, and one transfer for all.
+    sampled = colocated.generate("Tell me a story", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6),
+                                 use_tqdm=False)[0].outputs
+    before = pd.decode.status()["kv_transfer"]
+    resp = httpx.post(f"{pd.url}/v1/completions", timeout=60, json={
+        "prompt": "Tell me a story", "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 6})
+    assert resp.status_code == 200, resp.text
+    assert [c["text"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])] == [o.text for o in sampled]
+    after = pd.decode.status()["kv_transfer"]
+    assert after["failures"] == before["failures"], "a sample pulled KV that was already taken"
+
+
+def test_min_tokens_and_stop_through_the_proxy(pd, colocated):
+    """FAULTS 28: P gets max_tokens=1 but never the client's min_tokens (it once answered 400)."""
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop=["e"])
+    want = colocated.generate("Hello there, my name", params, use_tqdm=False)[0].outputs[0]
+    resp = httpx.post(f"{pd.url}/v1/completions", timeout=60, json={
+        "prompt": "Hello there, my name", "max_tokens": 12, "min_tokens": 6, "stop": ["e"], "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (want.text, want.finish_reason)
+
+
+def test_kv_only_goes_to_its_own_tokens(pd, colocated):
+    """FAULTS 27: a client that names another request's KV (its id and address, with a digest of
+    its own prompt) is refused by the prefill instance; D recomputes its own prompt, the victim's
+    KV stays on offer for its real consumer, and nothing foreign enters D's prefix cache."""
+    victim_prompt, own_prompt = [11] * 40, [12] * 40
+    p_resp = httpx.post(f"{pd.prefill.url}/v1/completions", timeout=30, json={
+        "prompt": victim_prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    victim = p_resp.json()["kv_transfer_params"]
+    forged = {**victim, "token_digest": token_digest(own_prompt)}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want_own, want_victim = (colocated.generate(p, params, use_tqdm=False)[0].outputs[0].text
+                             for p in (own_prompt, victim_prompt))
+    failures = pd.decode.status()["kv_transfer"]["failures"].get("mismatch", 0)
+    resp = httpx.post(f"{pd.decode.url}/v1/completions", timeout=30, json={
+        "prompt": own_prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_transfer_params": forged})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want_own
+    assert pd.decode.status()["kv_transfer"]["failures"].get("mismatch", 0) == failures + 1
+    # The forged pull did not take the victim's KV: its real consumer still gets it.
+    resp = httpx.post(f"{pd.decode.url}/v1/completions", timeout=30, json={
+        "prompt": victim_prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_transfer_params": victim})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want_victim
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 39
 
 
 def test_prefill_errors_reach_the_client(pd):
@@ -132,7 +200,8 @@ def test_kv_that_never_arrives(tiny_llama, colocated, policy):
     try:
         prompt = _token_prompts()[3]
         params = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "r1",
-                  "remote_kv_addr": f"tcp://127.0.0.1:{dead_port}", "num_tokens": len(prompt)}
+                  "remote_kv_addr": f"tcp://127.0.0.1:{dead_port}", "num_tokens": len(prompt),
+                  "token_digest": token_digest(prompt)}
         resp = httpx.post(f"{srv.url}/v1/completions", timeout=30, json={
             "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "kv_transfer_params": params})
         if policy == "recompute":

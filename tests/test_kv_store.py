@@ -1,6 +1,6 @@
 """KV cache tiers: payload format, the CPU / disk / Redis stores (real files, a real
 redis-server), and the engine loading prefixes from them, in-process and across processes.
-FAULTS.md 21-23."""
+FAULTS.md 21-23 and 31."""
 from __future__ import annotations
 
 import json
@@ -395,3 +395,190 @@ def test_an_id_held_for_a_transfer_cannot_be_reused(tiny_llama):
         llm.engine.add_request("busy", [5, 6, 7], GREEDY)
     del scheduler.held["busy"]
     assert not llm.engine.has_unfinished_requests()
+
+
+# ---- lookups never run on the step thread (FAULTS 31) --------------------------------------
+class _SlowCPUStore(CPUStore):
+    """A CPU tier whose existence checks take ``delay`` seconds (a slow backend); finished
+    checks and pinned / unpinned keys are counted."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(2**30, FMT)
+        self.delay = delay
+        self.num_contains = self.num_pinned = self.num_unpinned = 0
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        time.sleep(self.delay)
+        found = super().contains(keys)
+        self.num_contains += 1
+        return found
+
+    def pin(self, keys: list[str]) -> None:
+        super().pin(keys)
+        self.num_pinned += len(keys)
+
+    def unpin(self, keys: list[str]) -> None:
+        super().unpin(keys)
+        self.num_unpinned += len(keys)
+
+
+def _connector_halves(delay: float, lookup_timeout_s: float = 0.2):
+    """Both halves of the tiered connector on one slow store, with fabricated block tables
+    (FMT: 4-token blocks, 16-token chunks). ``step()`` carries one step's metadata to the
+    worker and its output back, as the engine does."""
+    from engine.kv_transfer.tiered import TieredConnectorScheduler
+    from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
+    store = _SlowCPUStore(delay)
+    tiers = TieredStore([store])
+    sched = TieredConnectorScheduler(block_size=4, chunk_tokens=16, lookup_timeout_s=lookup_timeout_s)
+    worker = TieredConnectorWorker(tiers)
+    worker.register_kv_caches(torch.zeros(2, 2, 64, 4, 2, 8))  # [layers, k/v, blocks, block_size, heads, dim]
+
+    def step():
+        meta = sched.build_connector_meta(None)
+        worker.start_load_kv(meta)
+        out = worker.get_finished()
+        sched.update_connector_output(out)
+        return meta, out
+    return sched, worker, store, step
+
+
+def _store_chunks(store: CPUStore, request, num_chunks: int) -> list[str]:
+    keys = [request.block_hashes[(c + 1) * 4 - 1].hex() for c in range(num_chunks)]
+    for c, key in enumerate(keys):
+        store.put(key, _chunk(c))
+    return keys
+
+
+def _wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
+    from engine.outputs import KVConnectorOutput
+    from tests.scheduler_utils import make_request
+    sched, worker, store, step = _connector_halves(delay=0.8, lookup_timeout_s=0.2)
+    try:
+        a = make_request("a", 70)  # chunks 0-3 can come from outside (chunk 4 holds the last token)
+        _store_chunks(store, a, 4)
+        start = time.monotonic()
+        # The scheduler half never waits on the store: "not known yet", and the worker is asked.
+        assert sched.get_num_new_matched_tokens(a, 0) is None
+        assert time.monotonic() - start < 0.1 and store.num_contains == 0
+        meta, _ = step()
+        assert [(lk.req_id, len(lk.keys)) for lk in meta.lookups] == [("a", 4)]
+        while (match := sched.get_num_new_matched_tokens(a, 0)) is None:
+            meta, _ = step()
+            assert not meta.lookups  # asked once per admission, not once per step
+            time.sleep(0.01)
+        # The deadline passed before the 0.8 s store answered: a miss for this admission.
+        assert match == (0, False) and 0.2 <= time.monotonic() - start < 0.7
+        assert sched.lookup_timeouts == 1
+        assert step()[0].releases == ["a"]  # the worker drops it: what it finds is unpinned
+        # The worker's lookup ends late: it posts nothing and unpins what it found; any late
+        # answer would be ignored.
+        _wait_for(lambda: store.num_contains == 1 and store.num_unpinned == 4)
+        assert store.num_pinned == 4 and not store._pins
+        assert step()[1].lookups == {}
+        sched.update_connector_output(KVConnectorOutput(lookups={"a": 4}))
+        for _ in range(3):
+            assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+            assert not step()[0].lookups
+        assert store.num_contains == 1 and store.stats.misses == 0
+        # Misses count once per lookup: b's 4 chunks are nowhere, however many steps it waits.
+        store.delay, sched.lookup_timeout_s = 0.0, 5.0
+        b = make_request("b", 70)
+        assert sched.get_num_new_matched_tokens(b, 0) is None
+        step()
+        while (match := sched.get_num_new_matched_tokens(b, 0)) is None:
+            assert not step()[0].lookups
+            time.sleep(0.01)
+        for _ in range(3):
+            assert sched.get_num_new_matched_tokens(b, 0) == match == (0, False)
+            assert not step()[0].lookups
+        assert store.num_contains == 2 and store.stats.misses == 4 and sched.lookup_timeouts == 1
+        # Admitted (b) or ended (a): nothing is kept, nothing stays pinned.
+        sched.update_state_after_alloc(b, list(range(18)), 0, 0)
+        for request in (a, b):
+            sched.request_finished(request, [])
+        step()
+        assert sched.num_tracked_requests() == 0
+        _wait_for(lambda: not store._pins)
+    finally:
+        worker.shutdown()
+
+
+def test_lookup_answers_follow_the_local_prefix_and_pins_end_with_the_load():
+    from engine.kv_transfer.params import KVTransferParams
+    from tests.scheduler_utils import make_request
+    sched, worker, store, step = _connector_halves(delay=0.0, lookup_timeout_s=5.0)
+    try:
+        d = make_request("d", 70)
+        keys = _store_chunks(store, d, 4)
+        # Asked with chunks 0-1 local: the answer counts from chunk 2.
+        assert sched.get_num_new_matched_tokens(d, 32) is None
+        assert [lk.keys for lk in step()[0].lookups] == [keys[2:]]
+        _wait_for(lambda: step()[1].lookups)
+        assert sched.get_num_new_matched_tokens(d, 32) == (32, True)
+        assert sched.get_num_new_matched_tokens(d, 48) == (16, True)  # the local prefix grew: fine
+        assert dict(store._pins) == {keys[2]: 1, keys[3]: 1}  # found chunks are leased to d
+        # The local prefix shrank (evicted from the device): ask again from chunk 0.
+        assert sched.get_num_new_matched_tokens(d, 0) is None
+        assert [lk.keys for lk in step()[0].lookups] == [keys]
+        _wait_for(lambda: step()[1].lookups == {"d": 4})
+        assert sched.get_num_new_matched_tokens(d, 0) == (64, True)
+        _wait_for(lambda: dict(store._pins) == dict.fromkeys(keys, 1))  # the first lease ended
+        # Admitted with a load: the loader takes the lease over and unpins once it has read.
+        sched.update_state_after_alloc(d, list(range(18)), 0, 64)
+        meta, _ = step()
+        assert not meta.releases and [load.req_id for load in meta.loads] == ["d"]
+        _wait_for(lambda: "d" in step()[1].finished_recving)
+        sched.transfer_done("d")
+        assert torch.equal(worker.kv[:, :, 12:16], _chunk(3))  # chunk 3's blocks landed
+        _wait_for(lambda: not store._pins)
+        # A promise (store-mode disaggregation) decides without a lookup.
+        p = make_request("p", 70)
+        p.kv_transfer_params = KVTransferParams(kv_store_tokens=48)
+        assert sched.get_num_new_matched_tokens(p, 0) == (48, True) and not step()[0].lookups
+        for request in (d, p):
+            sched.request_finished(request, [])
+        assert sched.num_tracked_requests() == 0 and store.num_contains == 2
+    finally:
+        worker.shutdown()
+
+
+def test_a_hanging_redis_never_stalls_a_step(tiny_llama, reference, redis_server):
+    """FAULTS 31: Redis stops answering mid-run (SIGSTOP: connections are accepted and nothing
+    comes back, so every call waits out the tier's 1 s timeout). Lookups run on the worker's
+    threads and become misses at the lookup deadline: no step waits on the server, and every
+    output equals a run without a store."""
+    from engine.kv_transfer.stores.redis import TIMEOUT_S
+    llm = LLM(str(tiny_llama), num_blocks=64, kv_store=f"cpu:64MiB,{redis_server.url}", kv_chunk_tokens=32)
+    engine = llm.engine
+    engine.scheduler.connector.lookup_timeout_s = 0.3
+    prompts = {f"r{i}": _prompt(50 + i, 100) for i in range(3)}
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        for req_id, prompt in prompts.items():
+            engine.add_request(req_id, prompt, GREEDY)
+        outputs, step_seconds, start = {}, [], time.monotonic()
+        while engine.has_unfinished_requests():
+            step_start = time.monotonic()
+            outputs |= {o.request_id: o for o in engine.step() if o.finished}
+            step_seconds.append(time.monotonic() - step_start)
+            assert time.monotonic() - start < 30
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert max(step_seconds) < TIMEOUT_S / 2, f"a step waited on Redis: {max(step_seconds):.2f} s"
+    for req_id, prompt in prompts.items():
+        assert outputs[req_id].outputs[0].token_ids == reference(prompt)
+        assert outputs[req_id].num_cached_tokens == 0
+    # Each request's one lookup timed out to a miss; nothing was loaded.
+    assert engine.scheduler.connector.lookup_timeouts == len(prompts)
+    assert all(s["hits"] == 0 for s in engine.runner.connector.store_stats().values())
+    assert_engine_idle(llm)
+    assert engine.num_tracked_requests() == 0
+    llm.shutdown()

@@ -7,11 +7,15 @@ import os
 import random
 import threading
 import time
+import zlib
 
+import msgspec
 import pytest
 import torch
+import zmq
 
-from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, SendSpec, ipc_path
+from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec, SendSpec, ipc_path
+from engine.kv_transfer.p2p_wire import Hello, HelloReply, Pull, decode, encode
 from engine.kv_transfer.p2p_worker import P2PConnectorWorker
 from tests.server_utils import free_port
 
@@ -36,15 +40,27 @@ def producer():
 
 
 def _consumer() -> P2PConnectorWorker:
+    return _consumer_of(SHAPE)
+
+
+def _consumer_of(shape) -> P2PConnectorWorker:
     worker = P2PConnectorWorker("d", "fp", None, None)
-    worker.register_kv_caches(torch.zeros(SHAPE))
+    worker.register_kv_caches(torch.zeros(shape))
     return worker
 
 
-def _transfer(producer, consumer, rid: str, src: list[int], dst: list[int], addr: str, lease_s: float = 30):
-    producer.start_load_kv(P2PMetadata(sends=[SendSpec(rid, src, len(src) * 4, time.monotonic() + lease_s)]))
-    consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, dst, time.monotonic() + 10)]))
-    deadline = time.monotonic() + 15
+def _transfer(producer, consumer, rid: str, src: list[int], dst: list[int], addr: str, lease_s: float = 30,
+              pull_digest: str = "tokens", fault: str | None = None):
+    producer.start_load_kv(P2PMetadata(sends=[SendSpec(rid, src, len(src) * 4, time.monotonic() + lease_s,
+                                                       "tokens", fault)]))
+    consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, dst, time.monotonic() + 10,
+                                                       pull_digest)]))
+    return _load_result(consumer)
+
+
+def _load_result(consumer, timeout: float = 15):
+    """The consumer's output once a load has finished or failed."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         out = consumer.get_finished()
         if out.finished_recving or out.failed_recving:
@@ -53,8 +69,8 @@ def _transfer(producer, consumer, rid: str, src: list[int], dst: list[int], addr
     raise AssertionError("transfer never finished")
 
 
-def _sent(producer, rid: str) -> None:
-    deadline = time.monotonic() + 10
+def _sent(producer, rid: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
     while rid not in producer.get_finished().finished_sending:
         assert time.monotonic() < deadline, "the producer never released its blocks"
         time.sleep(0.005)
@@ -109,21 +125,241 @@ def test_two_consumers_at_once(producer):
             c.shutdown()
 
 
+# ---- FAULTS.md 17: what the consumer checks before it writes a byte ----------------------------
+TCP = "tcp://127.0.0.1:{port}"  # injected faults take the socket path (never a shared-memory loan)
+
+
+@pytest.mark.parametrize("fault, problem", [  # 7 blocks in 3-block chunks: every chunk is damaged
+    pytest.param("truncate", "truncated: 1536 of 3072 bytes", id="truncate"),
+    pytest.param("reorder", "out of order: chunk 1 at block 0, expected 0", id="reorder"),
+    pytest.param("bad_dtype", "bad header: float16[2, 2, 3, 4, 2, 8], expected float32[2, 2, 3, 4, 2, 8]",
+                 id="bad-dtype"),
+    pytest.param("bad_shape", "bad header: float32[2, 2, 4, 4, 2, 8], expected float32[2, 2, 3, 4, 2, 8]",
+                 id="bad-shape"),
+    pytest.param("corrupt", "corrupt: checksum mismatch", id="optional-crc32-mismatch"),
+])
+def test_a_damaged_frame_is_rejected_before_a_byte_is_written(producer, fault, problem):
+    """Each damage the fault injector does to the chunk frames on the real send path fails the
+    load, naming the check that caught it, and leaves the consumer's blocks untouched.
+
+    ``corrupt`` flips bits under a CRC32 that only the injector sets: real frames carry no
+    checksum (zmq over TCP protects bytes in transit, same-host transfers are memory copies), so
+    it checks the consumer's verification of the optional ``crc32`` field, not detection of
+    corruption on a real link."""
+    consumer = _consumer()
+    try:
+        out = _transfer(producer, consumer, "r", list(range(7)), list(range(7)), TCP.format(port=producer.port),
+                        fault=fault)
+        assert out.failed_recving == {"r"} and not out.finished_recving, out
+        assert out.failure_reasons["r"] == f"frame rejected: {problem}"
+        assert not consumer.kv.any(), "bytes of a rejected transfer were written"
+        assert consumer.stats["failures"] == {"frame rejected": 1} and consumer.stats["bytes_received"] == 0
+        _sent(producer, "r")
+    finally:
+        consumer.shutdown()
+
+
+def test_a_frame_whose_optional_crc32_matches_is_used(producer, monkeypatch):
+    """The other half of the optional CRC check: a sender that fills in ``crc32`` (none does
+    today) has its frames verified and, when they match, used."""
+    from engine.kv_transfer import p2p_producer
+    monkeypatch.setattr(p2p_producer, "_inject_fault", lambda fault, header, payload: [
+        (msgspec.structs.replace(header, crc32=zlib.crc32(payload)), payload)])
+    consumer = _consumer()
+    try:
+        out = _transfer(producer, consumer, "r", list(range(7)), list(range(7, 14)), TCP.format(port=producer.port))
+        assert out.finished_recving == {"r"}, out.failure_reasons
+        assert torch.equal(consumer.kv[:, :, 7:14], producer.kv[:, :, :7])
+    finally:
+        consumer.shutdown()
+
+
 def test_copy_that_outlives_the_lease_is_discarded(producer, monkeypatch):
     """The producer may reuse lent blocks once the lease ends; a consumer still copying must
-    then fail the load (and recompute) rather than keep a copy that may be torn."""
+    then fail the load (and recompute) rather than keep a copy that may be torn. The copy is
+    held open until the producer has observably ended the loan (no sleep has to outlast the
+    lease); the lease only has to outlast one loopback round trip for the grant."""
     consumer = _consumer()
-    copy = consumer._copy_blocks
-    monkeypatch.setattr(consumer, "_copy_blocks", lambda *a: (time.sleep(1.0), copy(*a)))
+    copy = consumer.consumer._copy_blocks
+    copying, lease_ended = threading.Event(), threading.Event()
+
+    def copy_until_the_lease_ended(*args):
+        copying.set()
+        lease_ended.wait(30)
+        copy(*args)
+    monkeypatch.setattr(consumer.consumer, "_copy_blocks", copy_until_the_lease_ended)
     try:
-        out = _transfer(producer, consumer, "slow", list(range(9)), list(range(9)), ipc_path(producer.port),
-                        lease_s=0.5)
-        assert out.failed_recving == {"slow"}
-        assert "lease ended" in out.failure_reasons["slow"]
-        _sent(producer, "slow")
-        monkeypatch.setattr(consumer, "_copy_blocks", copy)  # the next transfer works
+        lease_s = 2.0
+        producer.start_load_kv(P2PMetadata(sends=[SendSpec("slow", list(range(9)), 36, time.monotonic() + lease_s,
+                                                           "tokens")]))
+        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec("slow", ipc_path(producer.port), "slow", 0,
+                                                           list(range(9)), time.monotonic() + 60, "tokens")]))
+        assert copying.wait(10), f"never lent the blocks: {consumer.get_finished().failure_reasons}"
+        # Lent and not returned: only the lease can end the loan, and then the producer frees
+        # the blocks (finished_sending) while the consumer is still copying.
+        _sent(producer, "slow", timeout=lease_s + 10)
+        lease_ended.set()
+        out = _load_result(consumer)
+        assert out.failed_recving == {"slow"}, out
+        assert out.failure_reasons["slow"] == "timeout: the producer's lease ended during the copy"
+        monkeypatch.setattr(consumer.consumer, "_copy_blocks", copy)  # the next transfer works
         out = _transfer(producer, consumer, "next", list(range(9)), list(range(9, 18)), ipc_path(producer.port))
         assert out.finished_recving == {"next"}, out.failure_reasons
         assert torch.equal(consumer.kv[:, :, 9:18], producer.kv[:, :, :9])
     finally:
+        lease_ended.set()
         consumer.shutdown()
+
+
+# ---- FAULTS.md 30: one stalled consumer blocks nobody -----------------------------------------
+BIG_SHAPE = (2, 2, 256, 16, 8, 64)  # 128 KiB blocks, 32 MiB in all: far more than socket buffers hold
+MiB = 2**20
+
+
+def _big_producer(monkeypatch) -> P2PConnectorWorker:
+    monkeypatch.setenv("ENGINE_KV_SHM", "0")  # every transfer takes the socket path
+    worker = P2PConnectorWorker("p", "fp", "127.0.0.1", free_port(), chunk_bytes=MiB)
+    kv = worker.allocate_kv_cache(BIG_SHAPE, torch.float32, torch.device("cpu"))
+    kv.copy_(torch.randn(BIG_SHAPE))
+    worker.register_kv_caches(kv)
+    return worker
+
+
+def _stalled_peer(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    """A consumer that handshakes, then never reads: its zmq queue holds one message and its
+    kernel buffer a few KiB, so the producer's frames back up."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    sock.send(encode(Hello("fp")))
+    assert sock.poll(5000), "no HelloReply"
+    reply = decode(sock.recv())
+    assert isinstance(reply, HelloReply) and reply.ok
+    return sock
+
+
+class _Finished:
+    """Accumulates the producer's finished_sending across get_finished calls."""
+
+    def __init__(self, producer: P2PConnectorWorker) -> None:
+        self.producer, self.sent = producer, set()
+
+    def wait(self, rid: str, until: float) -> float:
+        while rid not in self.sent:
+            assert time.monotonic() < until, f"{rid} was not reported in finished_sending in time"
+            self.sent |= self.producer.get_finished().finished_sending
+            time.sleep(0.005)
+        return time.monotonic()
+
+
+def _wait_until_stalled(producer: P2PConnectorWorker, quiet_s: float = 0.5, timeout: float = 30) -> None:
+    """Until the producer has started a transfer and then gathered nothing more for ``quiet_s``
+    (it gathers a chunk only once zmq has taken the one before: a consumer that does not read
+    stops it). Polled, so a slow machine only waits longer."""
+    deadline = time.monotonic() + timeout
+    last, since = producer.stats["bytes_sent"], time.monotonic()
+    while last == 0 or time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, "the producer never started, or never stopped, sending"
+        time.sleep(0.02)
+        if producer.stats["bytes_sent"] != last:
+            last, since = producer.stats["bytes_sent"], time.monotonic()
+
+
+def test_stalled_consumer_blocks_nobody(monkeypatch):
+    producer, consumer, ctx = _big_producer(monkeypatch), _consumer_of(BIG_SHAPE), zmq.Context()
+    producer.producer.stall_s = 120  # here the stalled transfer ends only when its socket closes
+    addr = f"tcp://127.0.0.1:{producer.port}"
+    finished = _Finished(producer)
+    try:
+        stalled = _stalled_peer(ctx, addr)
+        producer.start_load_kv(P2PMetadata(sends=[SendSpec("stuck", list(range(256)), 256 * 16,
+                                                           time.monotonic() + 60, "tokens")]))
+        stalled.send(encode(Pull("t-stuck", "stuck", 0, 256, "tokens")))
+        _wait_until_stalled(producer)  # every buffer between the producer and the stalled peer is full
+        assert producer.stats["bytes_sent"] < 32 * MiB, "the peer did not stall: make BIG_SHAPE bigger"
+        assert "stuck" not in producer.get_finished().finished_sending
+
+        # While it stays stalled: another consumer's transfer, a release and a lease expiry
+        # all happen on time (the old inline sender blocked up to 30 s per chunk).
+        start = time.monotonic()
+        producer.start_load_kv(P2PMetadata(sends=[
+            SendSpec("released", [0, 1], 32, start + 60, "tokens"),
+            SendSpec("expiring", [2, 3], 32, start + 1.0, "tokens")]))
+        out = _transfer(producer, consumer, "other", list(range(100, 140)), list(range(40)), addr)
+        assert out.finished_recving == {"other"}, out.failure_reasons
+        assert time.monotonic() - start < 5, "a transfer waited behind the stalled consumer"
+        assert torch.equal(consumer.kv[:, :, :40], producer.kv[:, :, 100:140])
+        finished.wait("other", start + 5)
+        released_at = time.monotonic()
+        consumer.start_load_kv(P2PMetadata(releases=[ReleaseSpec(addr, "released", "tokens")]))
+        finished.wait("released", released_at + 5)
+        finished.wait("expiring", start + 1.0 + 5)
+        assert "stuck" not in finished.sent  # still in flight: its consumer is alive
+
+        # Its consumer leaves: the producer abandons the transfer and frees the blocks.
+        closed_at = time.monotonic()
+        stalled.close(linger=0)
+        finished.wait("stuck", closed_at + 5)
+        out = _transfer(producer, consumer, "after", list(range(64)), list(range(64)), addr)
+        assert out.finished_recving == {"after"}, out.failure_reasons
+        assert torch.equal(consumer.kv[:, :, :64], producer.kv[:, :, :64])
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_stall_limit_abandons_a_consumer_that_stays_connected(monkeypatch):
+    """A consumer that stops reading but keeps its socket open: the transfer is abandoned after
+    the stall limit, its blocks are freed, and staging still serves the next transfers even
+    though zmq keeps the abandoned frames queued for the stalled peer."""
+    producer, consumer, ctx = _big_producer(monkeypatch), _consumer_of(BIG_SHAPE), zmq.Context()
+    producer.producer.stall_s = 1.0
+    addr = f"tcp://127.0.0.1:{producer.port}"
+    finished = _Finished(producer)
+    try:
+        stalled = [_stalled_peer(ctx, addr) for _ in range(4)]  # as many as there are transfer slots
+        start = time.monotonic()
+        for i, sock in enumerate(stalled):
+            producer.start_load_kv(P2PMetadata(sends=[SendSpec(f"stuck{i}", list(range(256)), 256 * 16,
+                                                               start + 60, "tokens")]))
+            sock.send(encode(Pull(f"t{i}", f"stuck{i}", 0, 256, "tokens")))
+        for i in range(4):
+            finished.wait(f"stuck{i}", start + 1.0 + 5)
+        assert producer.stats["abandoned_sends"] == 4
+        out = _transfer(producer, consumer, "next", list(range(64)), list(range(64)), addr)
+        assert out.finished_recving == {"next"}, out.failure_reasons
+        assert torch.equal(consumer.kv[:, :, :64], producer.kv[:, :, :64])
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_oversized_and_undecodable_messages_are_dropped(producer):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{producer.port}")
+    consumer = _consumer()
+    try:
+        # A well-formed Hello, but 1 MiB: zmq drops it (and the connection) before it is read.
+        sock.send(encode(Hello("x" * MiB)))
+        assert not sock.poll(1000), "an oversized message was answered"
+        before = producer.stats["dropped_messages"]
+        sock.send(b"\xc1 not msgpack")
+        deadline = time.monotonic() + 5
+        while producer.stats["dropped_messages"] == before:
+            assert time.monotonic() < deadline, "the undecodable message was not counted"
+            time.sleep(0.01)
+        sock.send(encode(Hello("fp")))  # the same peer is still served
+        assert sock.poll(5000)
+        assert decode(sock.recv()).ok
+        out = _transfer(producer, consumer, "r", list(range(7)), list(range(7)), f"tcp://127.0.0.1:{producer.port}")
+        assert out.finished_recving == {"r"}, out.failure_reasons
+    finally:
+        consumer.shutdown()
+        sock.close(linger=0)
+        ctx.term()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request
 
@@ -35,10 +36,13 @@ class KVConnectorScheduler(ABC):
     load_failure_policy: str = "recompute"
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool] | None:
         """How many tokens after ``num_computed_tokens`` can be supplied from outside, and
         whether loading them is asynchronous (the request then waits in
-        WAITING_FOR_REMOTE_KV). Must have no side effects: the allocation may still fail."""
+        WAITING_FOR_REMOTE_KV). None: not known yet (the worker half is finding out); the
+        request stays queued and is asked again next step, without holding up the queue.
+        Must not do I/O, and must have no side effects the scheduler relies on: the
+        allocation may still fail."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
@@ -51,7 +55,7 @@ class KVConnectorScheduler(ABC):
         """Once per step: what the worker half must load or save. Resets per-step state."""
 
     @abstractmethod
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         """A request finished. Returns (hold the blocks until the worker reports the send
         done, kv_transfer_params to hand back to the client or proxy)."""
 
@@ -62,6 +66,10 @@ class KVConnectorScheduler(ABC):
 
     def transfer_done(self, req_id: str, failed: bool = False) -> None:
         """The worker half finished (``failed``: gave up on) the load of ``req_id``."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Once per step, before the scheduler applies finished transfers: everything else
+        the worker half learnt (lookup answers, say)."""
 
 
 class KVConnectorWorker(ABC):
@@ -108,7 +116,7 @@ class NoOpConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         return None
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         return False, None
 
 

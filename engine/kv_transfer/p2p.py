@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.config import KVTransferConfig
 from engine.kv_transfer.base import KVConnectorScheduler
+from engine.kv_transfer.params import KVTransferParams, token_digest
 from engine.outputs import SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -50,6 +51,7 @@ class SendSpec:
     block_ids: list[int]
     num_tokens: int
     lease_deadline: float  # time.monotonic() of the engine-core process
+    token_digest: str  # of the tokens this KV was computed for: a pull must name the same ones
     # Test hook (only with ENGINE_ALLOW_KV_FAULTS=1): damage this transfer on purpose.
     fault: str | None = None
 
@@ -64,6 +66,15 @@ class LoadSpec:
     start_block: int
     block_ids: list[int]
     deadline: float
+    token_digest: str  # of our own first num_tokens prompt tokens; the producer compares
+
+
+@dataclass(slots=True)
+class ReleaseSpec:
+    """Consumer side: KV the peer holds for us that we will never pull."""
+    remote_addr: str
+    remote_request_id: str
+    token_digest: str
 
 
 @dataclass(slots=True)
@@ -71,8 +82,7 @@ class P2PMetadata:
     sends: list[SendSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
-    # (peer address, remote request id): KV the peer holds for us that we will never pull.
-    releases: list[tuple[str, str]] = field(default_factory=list)
+    releases: list[ReleaseSpec] = field(default_factory=list)
 
 
 class P2PConnectorScheduler(KVConnectorScheduler):
@@ -89,38 +99,48 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._consumed: set[str] = set()  # remote KV already used or given up on: never pulled twice
 
     # ---- consumer ------------------------------------------------------------------------
+    def _remote(self, request: Request) -> KVTransferParams | None:
+        """The request's pull parameters, unless they were used (or given up on) already."""
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_prefill or request.request_id in self._consumed:
+            return None
+        return params
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or request.request_id in self._consumed:
+        params = self._remote(request)
+        if params is None:
             return 0, False
-        remote_tokens = int(params.get("num_tokens", 0))
-        usable = min(remote_tokens, request.num_prompt_tokens - 1)
+        usable = min(params.num_tokens, request.num_prompt_tokens - 1)
         external = usable - num_computed_tokens
         return (external, True) if external > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or request.request_id in self._consumed:
+        params = self._remote(request)
+        if params is None:
             return
         self._consumed.add(request.request_id)
-        addr = self._peer_addr(params)
         if num_external_tokens == 0:
             # The local prefix cache already had everything: let the peer free its copy now.
-            self._meta.releases.append((addr, str(params["remote_request_id"])))
+            self._meta.releases.append(self._release(request, params))
             return
         # Local prefix hits are whole blocks, so the external range starts on a block boundary.
         start = num_local_tokens // self.block_size
         end = -(-(num_local_tokens + num_external_tokens) // self.block_size)
         self._meta.loads.append(LoadSpec(
-            request.request_id, addr, str(params["remote_request_id"]), start,
-            block_ids[start:end], time.monotonic() + self.load_timeout_s))
+            request.request_id, self._peer_addr(params), params.remote_request_id, start,
+            block_ids[start:end], time.monotonic() + self.load_timeout_s,
+            token_digest(request.prompt_token_ids[:params.num_tokens])))
         self._loading.add(request.request_id)
 
+    def _release(self, request: Request, params: KVTransferParams) -> ReleaseSpec:
+        return ReleaseSpec(self._peer_addr(params), params.remote_request_id,
+                           token_digest(request.prompt_token_ids[:params.num_tokens]))
+
     @staticmethod
-    def _peer_addr(params: dict) -> str:
-        addr = str(params["remote_kv_addr"])
-        if params.get("remote_host_id") == host_id():
+    def _peer_addr(params: KVTransferParams) -> str:
+        addr = params.remote_kv_addr
+        if params.remote_host_id == host_id():
             addr = ipc_path(int(addr.rsplit(":", 1)[1]))  # same machine: skip the TCP stack
         return addr
 
@@ -129,29 +149,31 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         meta, self._meta = self._meta, P2PMetadata()
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         req_id = request.request_id
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill") and req_id not in self._consumed:
-            self._meta.releases.append((self._peer_addr(params), str(params["remote_request_id"])))
+        remote = self._remote(request)
+        if remote is not None:
+            self._meta.releases.append(self._release(request, remote))
         self._consumed.discard(req_id)
         if req_id in self._loading:
             # Aborted while its KV is still arriving: keep the blocks until the worker confirms
             # the transfer is cancelled, so late bytes never land in reused blocks.
             self._meta.cancels.append(req_id)
             return True, None
-        if (not params.get("do_remote_decode") or self.advertised_addr is None
+        params = request.kv_transfer_params
+        if (params is None or not params.do_remote_decode or self.advertised_addr is None
                 or request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)):
             return False, None
         # The prompt's KV is complete; the sampled token's is not (decode recomputes from it).
         num_tokens = request.num_prompt_tokens
         num_blocks = -(-num_tokens // self.block_size)
-        fault = params.get("inject_fault") if os.environ.get("ENGINE_ALLOW_KV_FAULTS") == "1" else None
+        fault = params.inject_fault if os.environ.get("ENGINE_ALLOW_KV_FAULTS") == "1" else None
+        digest = token_digest(request.prompt_token_ids)
         self._meta.sends.append(SendSpec(req_id, block_ids[:num_blocks], num_tokens,
-                                         time.monotonic() + self.lease_s, fault))
-        return True, {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
-                      "remote_kv_addr": self.advertised_addr, "remote_host_id": host_id(),
-                      "remote_request_id": req_id, "num_tokens": num_tokens}
+                                         time.monotonic() + self.lease_s, digest, fault))
+        return True, KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
+                                      remote_kv_addr=self.advertised_addr, remote_host_id=host_id(),
+                                      remote_request_id=req_id, num_tokens=num_tokens, token_digest=digest)
 
     def num_tracked_requests(self) -> int:
         return len(self._loading) + len(self._consumed)

@@ -1,0 +1,265 @@
+"""Disaggregated prefill, consumer side: pulls KV from producers into the blocks the
+scheduler allocated.
+
+A DEALER socket per peer (per puller thread) pulls. Every pull has a fresh transfer id, a
+deadline and in-order chunks whose dtype, shape and length are checked before a byte is written
+(the transports already checksum their bytes; a sender may add a CRC32, which is then verified
+too); anything else (late, duplicate, reordered, truncated frames, or frames for a cancelled
+transfer) is dropped. A failed peer socket is closed and re-created, so stale state never
+survives into the next handshake.
+
+Same host: the consumer maps the producer's shared-memory KV file and, when lent the blocks
+(``ShmGrant``), copies them straight into its own (one memcpy, no socket bytes), then returns the
+loan (``ShmDone``); ``ShmAck(ok=False)`` means the lease ended meanwhile and the copy is discarded.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import zlib
+
+import torch
+import zmq
+
+from engine.kv_transfer.base import contiguous_runs
+from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec
+from engine.kv_transfer.p2p_wire import (
+    FRAME_SLACK_BYTES, Chunk, ChunkLayout, Hello, HelloReply, Pull, Release, ShmAck, ShmDone, ShmGrant,
+    decode, encode,
+)
+
+logger = logging.getLogger("engine.kv_transfer")
+
+NUM_PULLERS = 4
+
+# A connected peer: its socket, and its shared KV tensor when it lends blocks on this host.
+Peer = tuple[zmq.Socket, torch.Tensor | None]
+
+
+class P2PConsumer:
+    """Pulls (and releases) on ``NUM_PULLERS`` threads. ``stats`` and ``lock`` are shared
+    with the producer of the same worker; everything else here is the consumer's own."""
+
+    def __init__(self, ctx: zmq.Context, lock: threading.Lock, stats: dict, fingerprint: str,
+                 chunk_bytes: int) -> None:
+        self._ctx, self._lock, self.stats = ctx, lock, stats
+        self.fingerprint = fingerprint
+        self.chunk_bytes = chunk_bytes
+        self.kv: torch.Tensor | None = None
+        self._done_recving: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._cancelled: set[str] = set()
+        self._outstanding: set[str] = set()  # loads queued or running
+        self._jobs: queue.Queue[LoadSpec | ReleaseSpec] = queue.Queue()
+        self._stop = threading.Event()
+        # Several pullers, each with its own peer sockets: a transfer that stalls (a dropped
+        # frame waits for its deadline) never holds up the others.
+        self._threads = [threading.Thread(target=self._pull_loop, name=f"kv-pull-{i}", daemon=True)
+                         for i in range(NUM_PULLERS)]
+
+    def start(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.layout = ChunkLayout.of(kv, self.chunk_bytes)
+        for t in self._threads:
+            t.start()
+
+    def submit(self, metadata: P2PMetadata) -> None:
+        with self._lock:
+            # A cancel for a load that already finished is moot (and would linger).
+            self._cancelled.update(r for r in metadata.cancels if r in self._outstanding)
+            self._outstanding.update(spec.req_id for spec in metadata.loads)
+        for spec in metadata.loads:
+            self._jobs.put(spec)
+        for release in metadata.releases:
+            self._jobs.put(release)
+
+    def take_finished(self) -> tuple[set[str], dict[str, str]]:
+        """(loads done, loads failed with their reason) since the last call."""
+        with self._lock:
+            done, failed = self._done_recving, self._failed
+            self._done_recving, self._failed = set(), {}
+        return done, failed
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(2)
+
+    def _pull_loop(self) -> None:
+        peers: dict[str, Peer] = {}
+        try:
+            while not self._stop.is_set():
+                try:
+                    job = self._jobs.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(job, ReleaseSpec):  # fire and forget, the lease is the backstop
+                    addr = job.remote_addr
+                    if addr not in peers:
+                        peer, error = self._connect(addr, time.monotonic() + 5)
+                        if peer is None:
+                            continue
+                        peers[addr] = peer
+                    peers[addr][0].send(encode(Release(job.remote_request_id, job.token_digest)))
+                    continue
+                error = self._load(job, peers)
+                with self._lock:
+                    self._cancelled.discard(job.req_id)
+                    self._outstanding.discard(job.req_id)
+                    if error is None:
+                        self._done_recving.add(job.req_id)
+                    else:
+                        self._failed[job.req_id] = error
+                        reason = error.split(":")[0]  # errors start with their reason
+                        self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
+                if error is not None:
+                    logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
+                    peer = peers.pop(job.remote_addr, None)
+                    if peer is not None:  # drop anything queued or in flight on it
+                        peer[0].close(linger=0)
+        finally:
+            for sock, _ in peers.values():
+                sock.close(linger=0)
+
+    def _connect(self, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
+        """(socket, the peer's shared KV tensor or None), or an error."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Chunk frames are the largest thing a producer sends; zmq drops the connection of a
+        # peer that sends more (the transfer then fails by its deadline), so a broken or
+        # hostile peer cannot make us allocate without bound.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.layout.slot_bytes + FRAME_SLACK_BYTES)
+        sock.connect(addr)
+        sock.send(encode(Hello(self.fingerprint)))
+        reply = self._recv(sock, deadline, lambda m: isinstance(m, HelloReply))
+        if isinstance(reply, str):
+            sock.close(linger=0)
+            return None, f"{reply} (handshake with {addr})"
+        if not reply.ok:
+            sock.close(linger=0)
+            return None, f"incompatible: {reply.message}"
+        return (sock, self._map_peer_kv(addr, reply)), None
+
+    def _map_peer_kv(self, addr: str, reply: HelloReply) -> torch.Tensor | None:
+        if not (addr.startswith("ipc://") and reply.shm_path and os.path.exists(reply.shm_path)):
+            return None
+        shape = list(reply.shm_shape)
+        if len(shape) != self.kv.dim() or shape[:2] + shape[3:] != list(self.kv.shape[:2]) + self.layout.block_shape:
+            return None
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        try:
+            return torch.from_file(reply.shm_path, shared=True, size=numel, dtype=self.kv.dtype).view(shape)
+        except (RuntimeError, OSError) as exc:
+            logger.warning("cannot map %s (%s); using the socket path", reply.shm_path, exc)
+            return None
+
+    def _recv(self, sock, deadline: float, accept, req_id: str | None = None):
+        """The next accepted message (with its raw frames), or an error string."""
+        while True:
+            if req_id is not None and req_id in self._cancelled:
+                return "cancelled: the request ended"
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout: no KV before the deadline"
+            if self._stop.is_set():
+                return "shutdown"
+            if not sock.poll(min(50, int(remaining * 1000) + 1)):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            msg = decode(frames[0].buffer)
+            if msg is None:
+                with self._lock:
+                    self.stats["dropped_messages"] += 1
+                logger.warning("dropped an undecodable KV message")
+                continue
+            if accept(msg):
+                return (msg, frames) if req_id is not None else msg
+
+    def _load(self, job: LoadSpec, peers: dict[str, Peer]) -> str | None:
+        """Pull one request's KV into its blocks; None on success, else "<reason>: <detail>"."""
+        addr = job.remote_addr
+        peer = peers.get(addr)
+        if peer is None:
+            peer, error = self._connect(addr, job.deadline)
+            if peer is None:
+                return error
+            peers[addr] = peer
+        sock, peer_kv = peer
+        transfer_id = uuid.uuid4().hex
+        start = time.perf_counter()
+        sock.send(encode(Pull(transfer_id, job.remote_request_id, job.start_block, len(job.block_ids),
+                              job.token_digest, shm=peer_kv is not None)))
+        got = self._recv(sock, job.deadline, lambda m: getattr(m, "transfer_id", None) == transfer_id, job.req_id)
+        if isinstance(got, str):
+            return got
+        first, frames = got
+        if isinstance(first, ShmGrant):
+            error = self._copy_shm(sock, peer_kv, job, transfer_id, first)
+        elif isinstance(first, Chunk):  # the producer chose the socket path
+            error = self._receive_chunks(sock, job, transfer_id, first, frames)
+        else:
+            error = f"frame rejected: unexpected {type(first).__name__}"
+        if error is None:
+            with self._lock:
+                self.stats["shm_loads"] += isinstance(first, ShmGrant)
+                self.stats["bytes_received"] += len(job.block_ids) * self.layout.bytes_per_block
+                self.stats["seconds"].append(time.perf_counter() - start)
+        return error
+
+    def _copy_shm(self, sock, peer_kv: torch.Tensor, job: LoadSpec, transfer_id: str, grant: ShmGrant) -> str | None:
+        if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer_kv.shape[2]:
+            return "frame rejected: bad shared-memory grant"
+        self._copy_blocks(peer_kv, grant.block_ids, job.block_ids)
+        sock.send(encode(ShmDone(transfer_id, job.remote_request_id)))
+        got = self._recv(sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
+                         job.req_id)
+        if isinstance(got, str):
+            return got
+        return None if got[0].ok else "timeout: the producer's lease ended during the copy"
+
+    def _copy_blocks(self, peer_kv: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """One copy per run of consecutive blocks, straight from the peer's tensor into ours."""
+        for src, dst, n in contiguous_runs(src_blocks, dst_blocks):
+            self.kv[:, :, dst:dst + n].copy_(peer_kv[:, :, src:src + n])
+
+    def _receive_chunks(self, sock, job: LoadSpec, transfer_id: str, chunk: Chunk, frames) -> str | None:
+        dst = torch.tensor(job.block_ids, dtype=torch.int64, device=self.kv.device)
+        expected_seq, done_blocks = 0, 0
+        dtype = str(self.kv.dtype).removeprefix("torch.")
+        while True:
+            if chunk.status != "ok":
+                return f"{chunk.status}: {chunk.message}"
+            expected_shape = [self.kv.shape[0], 2, chunk.num_blocks, *self.layout.block_shape]
+            problem = None
+            if chunk.seq != expected_seq or chunk.first_block != done_blocks:
+                problem = f"out of order: chunk {chunk.seq} at block {chunk.first_block}, expected {expected_seq}"
+            elif chunk.dtype != dtype or chunk.shape != expected_shape:
+                problem = f"bad header: {chunk.dtype}{chunk.shape}, expected {dtype}{expected_shape}"
+            elif len(frames) != 2 or frames[1].buffer.nbytes != chunk.nbytes:
+                problem = f"truncated: {sum(f.buffer.nbytes for f in frames[1:])} of {chunk.nbytes} bytes"
+            elif chunk.crc32 and zlib.crc32(frames[1].buffer) != chunk.crc32:
+                problem = "corrupt: checksum mismatch"
+            elif done_blocks + chunk.num_blocks > len(job.block_ids):
+                problem = "too many blocks"
+            if problem is not None:
+                return f"frame rejected: {problem}"
+            raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
+            data = raw.view(self.kv.dtype).view(expected_shape).to(self.kv.device)
+            self.kv.index_copy_(2, dst[done_blocks:done_blocks + chunk.num_blocks], data)
+            done_blocks += chunk.num_blocks
+            expected_seq += 1
+            if expected_seq == chunk.num_chunks:
+                return None if done_blocks == len(job.block_ids) else (
+                    f"frame rejected: got {done_blocks} of {len(job.block_ids)} blocks")
+            got = self._recv(sock, job.deadline, lambda m: isinstance(m, Chunk) and m.transfer_id == transfer_id,
+                             job.req_id)
+            if isinstance(got, str):
+                return got
+            chunk, frames = got

@@ -1,0 +1,410 @@
+"""Disaggregated prefill, producer side: serves ``drop_select`` pulls of the lookup buffer.
+
+One ROUTER socket (tcp, plus ipc for peers on the same host) on one serve thread. An entry
+leaves the buffer when it is selected, released by its consumer or when its lease ends; either
+way the scheduler is told (``finished_sending``) and frees the blocks only then.
+
+The serve thread never waits on a peer (FAULTS.md 30): one consumer that stops reading must not
+hold up other pulls, releases, shared-memory acks or lease expiry. Every send is non-blocking
+(``ROUTER_MANDATORY``: a full peer queue raises ``zmq.Again`` and the message is retried later,
+a vanished peer raises ``EHOSTUNREACH``), and every socket transfer is a small state machine
+(``_SocketSend``) that the loop advances a step per round, so transfers interleave.
+
+Same host: when the worker placed the KV tensor in a /dev/shm file, a same-host consumer is
+lent the blocks (``ShmGrant``) instead of sent them; the loan ends with its ``ShmDone`` or the
+lease.
+
+Socket path: each active transfer gathers chunk k of its scattered blocks into the second of
+its two staging slots while chunk k-1 is on the wire, and writes a slot again only once zmq has
+released the zero-copy frames pointing into it (trackers polled, never waited on). At most
+``MAX_SOCKET_SENDS`` transfers are active, so staging is fixed (``STAGING_BYTES``, counted in
+the KV budget); further pulls wait in FIFO order.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from engine.kv_transfer.p2p import SendSpec, ipc_path
+from engine.kv_transfer.p2p_wire import (
+    DEFAULT_CHUNK_BYTES, FRAME_SLACK_BYTES, PROTOCOL_VERSION, Chunk, ChunkLayout, Hello, HelloReply, Pull,
+    Release, ShmAck, ShmDone, ShmGrant, WireMessage, _inject_fault, decode, encode, fault_delay,
+)
+
+logger = logging.getLogger("engine.kv_transfer")
+
+MAX_SOCKET_SENDS = 4  # concurrent socket transfers, two staging slots each
+STAGING_BYTES = 2 * MAX_SOCKET_SENDS * DEFAULT_CHUNK_BYTES
+STALL_S = 10.0  # a socket transfer whose consumer takes nothing for this long is abandoned
+REPLY_RETRY_S = 5.0  # how long a control reply waits for room in a slow peer's queue
+MAX_MESSAGES_PER_ROUND = 64  # control messages taken per round, so transfers keep moving
+
+
+@dataclass(slots=True)
+class _Slot:
+    """Staging memory for one chunk. Zero-copy frames point into it until zmq has written them
+    out (their trackers are done), so it is written only when no tracker is pending."""
+    data: torch.Tensor  # uint8 [slot_bytes]
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
+
+    def busy(self) -> bool:
+        self.trackers = [t for t in self.trackers if not t.done]
+        return bool(self.trackers)
+
+
+@dataclass(slots=True)
+class _SocketSend:
+    """One pull served over the socket. Invariants: ``outgoing`` holds the messages of chunk
+    ``seq - 1`` (in slot ``(seq - 1) % 2``) that zmq has not taken yet, and the next chunk is
+    gathered only once ``outgoing`` is empty and slot ``seq % 2`` is no longer busy."""
+    identity: bytes
+    pull: Pull
+    entry: SendSpec
+    blocks: list[int]
+    num_chunks: int
+    not_before: float  # monotonic; in the future only under a ``delay=`` test fault
+    slots: list[_Slot] = field(default_factory=list)  # two, while active
+    seq: int = 0  # chunks gathered so far
+    outgoing: list[tuple[bytes, memoryview]] = field(default_factory=list)
+    progress_at: float = 0.0  # monotonic: when zmq last took one of its messages
+    started: float = 0.0  # perf_counter when it became active
+    kv_released: bool = False  # reported in finished_sending: its KV blocks are read no more
+
+    @property
+    def gathered(self) -> bool:
+        return self.seq == self.num_chunks
+
+
+class P2PProducer:
+    """Holds the lookup buffer and serves it. ``stats`` and ``lock`` are shared with the
+    consumer of the same worker; the transfer state belongs to the serve thread alone."""
+
+    def __init__(self, ctx: zmq.Context, lock: threading.Lock, stats: dict, engine_id: str, fingerprint: str,
+                 bind_ip: str | None, port: int, chunk_bytes: int) -> None:
+        self._ctx, self._lock, self.stats = ctx, lock, stats
+        self.engine_id, self.fingerprint = engine_id, fingerprint
+        self.bind_ip, self.port, self.chunk_bytes = bind_ip, port, chunk_bytes
+        self.stall_s = STALL_S
+        self.shm_path = ""
+        self.kv: torch.Tensor | None = None
+        # Shared with the engine thread, under the lock:
+        self._buffer: dict[str, SendSpec] = {}  # the lookup buffer: request id -> KV on offer
+        self._lent: dict[str, tuple[SendSpec, str, int]] = {}  # request id -> (entry, transfer id, blocks)
+        self._done_sending: set[str] = set()
+        # The serve thread's own:
+        self._waiting: deque[_SocketSend] = deque()  # pulls waiting for staging, first come first served
+        self._active: list[_SocketSend] = []
+        self._free: list[_Slot] = []  # slots of no active transfer (maybe still draining)
+        self._detached: list[_Slot] = []  # set aside by abandoned transfers until zmq lets go
+        self._outbox: deque[tuple[bytes, bytes, float]] = deque()  # (peer, reply, give up at)
+        self._next_expiry = 0.0
+        self._sock: zmq.Socket | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._bind_error: Exception | None = None
+        self._thread = threading.Thread(target=self._serve_loop, name="kv-serve", daemon=True)
+
+    # ---- engine thread -------------------------------------------------------------------
+    def start(self, kv: torch.Tensor, shm_path: str) -> None:
+        """Serve ``kv``; ``shm_path``: the shared-memory file it lives in, for same-host loans ("" if none)."""
+        self.kv, self.shm_path = kv, shm_path
+        self.layout = ChunkLayout.of(kv, self.chunk_bytes)
+        slot_bytes = self.layout.slot_bytes
+        staging = torch.empty(2 * MAX_SOCKET_SENDS * slot_bytes, dtype=torch.uint8)
+        self._free = [_Slot(staging[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(2 * MAX_SOCKET_SENDS)]
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError(f"KV server did not bind port {self.port}")
+        if self._bind_error is not None:
+            raise RuntimeError(f"KV server cannot bind port {self.port}: {self._bind_error}")
+
+    def offer(self, sends: list[SendSpec]) -> None:
+        """``insert`` into the lookup buffer."""
+        with self._lock:
+            for spec in sends:
+                self._buffer[spec.req_id] = spec
+
+    def take_finished(self) -> set[str]:
+        """Entries whose blocks are no longer read (sent, lent and returned, released,
+        expired or abandoned) since the last call."""
+        with self._lock:
+            done, self._done_sending = self._done_sending, set()
+        return done
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2)
+
+    # ---- serve thread ----------------------------------------------------------------------
+    def _serve_loop(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Raise instead of dropping silently (unknown peer) or blocking (full peer queue).
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Only small control messages come in; zmq drops the connection of a peer that sends
+        # a bigger frame, before it is ever allocated here.
+        sock.setsockopt(zmq.MAXMSGSIZE, FRAME_SLACK_BYTES)
+        try:
+            sock.bind(f"tcp://{self.bind_ip}:{self.port}")
+            sock.bind(ipc_path(self.port))
+        except zmq.ZMQError as exc:
+            self._bind_error = exc
+            sock.close(linger=0)
+            self._ready.set()
+            return
+        self._sock = sock
+        self._ready.set()
+        wait_ms, moved_at = 0, 0.0
+        try:
+            while not self._stop.is_set():
+                moved = sock.poll(wait_ms, zmq.POLLIN) != 0 and self._receive()
+                now = time.monotonic()
+                moved |= self._advance(now)
+                self._flush_outbox(now)
+                if now >= self._next_expiry:
+                    self._expire_leases(now)
+                    self._next_expiry = now + 0.02
+                # Sleep in poll unless something moved: 1 ms while transfers are flowing (zmq
+                # frees a slot within a few), 10 ms once they have all waited on their peers for
+                # a while, so stalled consumers cost next to no CPU.
+                if moved:
+                    wait_ms, moved_at = 0, now
+                elif self._active or self._waiting or self._outbox:
+                    wait_ms = 1 if now - moved_at < 0.05 else 10
+                else:
+                    wait_ms = 100
+        finally:
+            sock.close(linger=0)
+
+    def _receive(self) -> bool:
+        for _ in range(MAX_MESSAGES_PER_ROUND):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = decode(frames[1]) if len(frames) == 2 else None
+            if msg is None or isinstance(msg, (HelloReply, ShmGrant, ShmAck, Chunk)):
+                with self._lock:
+                    self.stats["dropped_messages"] += 1
+                logger.warning("dropped a malformed KV control message (%d frames)", len(frames) - 1)
+                continue
+            try:
+                self._handle(frames[0], msg)
+            except Exception:  # one bad message never stops the server
+                logger.exception("KV control message %s failed", type(msg).__name__)
+        return True
+
+    def _handle(self, identity: bytes, msg: WireMessage) -> None:
+        if isinstance(msg, Hello):
+            ok = msg.fingerprint == self.fingerprint and msg.version == PROTOCOL_VERSION
+            message = "" if ok else (f"incompatible KV peer: theirs {msg.fingerprint} (v{msg.version}), "
+                                     f"ours {self.fingerprint} (v{PROTOCOL_VERSION})")
+            self._reply(identity, HelloReply(ok, self.engine_id, self.fingerprint, message, self.shm_path,
+                                             list(self.kv.shape) if self.shm_path else []))
+        elif isinstance(msg, Pull):
+            self._serve_pull(identity, msg)
+        elif isinstance(msg, ShmDone):
+            with self._lock:
+                lent = self._lent.get(msg.request_id)
+                ok = lent is not None and lent[1] == msg.transfer_id
+                if ok:
+                    del self._lent[msg.request_id]
+                    self._done_sending.add(msg.request_id)
+                    self.stats["bytes_sent"] += lent[2] * self.layout.bytes_per_block
+            self._reply(identity, ShmAck(msg.transfer_id, ok))
+        elif isinstance(msg, Release):
+            with self._lock:  # only for the tokens it holds, like a pull
+                entry = self._buffer.get(msg.request_id)
+                if entry is not None and entry.token_digest == msg.token_digest:
+                    del self._buffer[msg.request_id]
+                    self._done_sending.add(msg.request_id)
+
+    def _select(self, pull: Pull) -> SendSpec | str:
+        """drop_select: the entry leaves the buffer as it is selected, but only by a pull for
+        the very tokens it was computed for (anything else leaves it for its real consumer).
+        Returns the entry, or why there is none."""
+        with self._lock:
+            entry = self._buffer.get(pull.request_id)
+            if entry is None:
+                return f"not_found: no KV held for {pull.request_id} (expired, sent or unknown)"
+            if entry.token_digest != pull.token_digest:
+                return f"mismatch: the KV held for {pull.request_id} belongs to other tokens"
+            return self._buffer.pop(pull.request_id)
+
+    def _serve_pull(self, identity: bytes, pull: Pull) -> None:
+        entry = self._select(pull)
+        if isinstance(entry, str):
+            status, message = entry.split(": ", 1)
+            self._reply(identity, Chunk(pull.transfer_id, status, message))
+            return
+        blocks = entry.block_ids[pull.start_block:pull.start_block + pull.num_blocks]
+        if pull.start_block < 0 or len(blocks) != pull.num_blocks:
+            self._reply(identity, Chunk(pull.transfer_id, "error", f"asked for {pull.num_blocks} blocks from "
+                                        f"{pull.start_block}, held {len(entry.block_ids)}"))
+            with self._lock:
+                self._done_sending.add(entry.req_id)
+        elif pull.shm and self.shm_path and entry.fault is None:  # faults are for the socket path
+            with self._lock:
+                self._lent[entry.req_id] = (entry, pull.transfer_id, len(blocks))
+            self._reply(identity, ShmGrant(pull.transfer_id, blocks))
+        else:
+            num_chunks = -(-len(blocks) // self.layout.blocks_per_chunk)
+            self._waiting.append(_SocketSend(identity, pull, entry, blocks, num_chunks,
+                                             time.monotonic() + fault_delay(entry.fault)))
+
+    def _reply(self, identity: bytes, msg: WireMessage) -> None:
+        self._outbox.append((identity, encode(msg), time.monotonic() + REPLY_RETRY_S))
+        self._flush_outbox(time.monotonic())
+
+    def _flush_outbox(self, now: float) -> None:
+        """Control replies, each tried until its peer's queue has room; a peer that stays full
+        for REPLY_RETRY_S (its pull then times out on its side) or has gone loses the reply."""
+        kept: deque[tuple[bytes, bytes, float]] = deque()
+        for identity, payload, give_up_at in self._outbox:
+            try:
+                self._sock.send_multipart([identity, payload], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                if now < give_up_at:
+                    kept.append((identity, payload, give_up_at))
+                else:
+                    with self._lock:
+                        self.stats["dropped_replies"] += 1
+                    logger.warning("dropped a KV reply: the peer has not read for %.0f s", REPLY_RETRY_S)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone, nobody left to tell
+                logger.debug("KV reply to a departed peer dropped: %s", exc)
+        self._outbox = kept
+
+    def _advance(self, now: float) -> bool:
+        """One round over the socket transfers; True if any of them moved."""
+        moved = False
+        for t in [t for t in self._waiting if now > t.entry.lease_deadline]:
+            self._finish(t, "the lease ended while it waited for staging memory")
+        while self._waiting and len(self._active) < MAX_SOCKET_SENDS and len(self._free) >= 2:
+            t = self._waiting.popleft()
+            self._free.sort(key=_Slot.busy)  # drained slots first
+            t.slots = [self._free.pop(0), self._free.pop(0)]
+            t.progress_at, t.started = max(now, t.not_before), time.perf_counter()
+            self._active.append(t)
+        for t in list(self._active):
+            try:
+                step_moved = self._step(t, now)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the consumer closed its socket
+                self._finish(t, f"the consumer is gone ({exc.strerror})")
+                moved = True
+                continue
+            except Exception as exc:  # never let one transfer take the server down
+                logger.exception("KV send of %s failed", t.entry.req_id)
+                self._finish(t, f"error: {exc}")
+                continue
+            moved |= step_moved
+            if t.gathered and not t.outgoing and not any(slot.busy() for slot in t.slots):
+                self._finish(t, None)
+            elif not t.gathered and now > t.entry.lease_deadline:
+                self._finish(t, "the lease ended before the consumer took the KV")
+            elif now - t.progress_at > self.stall_s:
+                self._finish(t, f"the consumer took nothing for {self.stall_s:.0f} s")
+        if self._detached:
+            self._detached = [slot for slot in self._detached if slot.busy()]
+        return moved
+
+    def _step(self, t: _SocketSend, now: float) -> bool:
+        """Moves ``t`` on as far as it goes without waiting: hands zmq what it will take, and
+        gathers at most one chunk (so concurrent transfers take turns). True if anything moved."""
+        moved = gathered = False
+        while True:
+            while t.outgoing:
+                header, frame = t.outgoing[0]
+                try:
+                    tracker = self._sock.send_multipart([t.identity, header, frame], flags=zmq.NOBLOCK,
+                                                        copy=False, track=True)
+                except zmq.Again:  # the consumer's queue is full: keep the message, retry next round
+                    return moved
+                t.outgoing.pop(0)
+                t.slots[(t.seq - 1) % 2].trackers.append(tracker)
+                t.progress_at, moved = now, True
+            if gathered or t.gathered or now < t.not_before or t.slots[t.seq % 2].busy():
+                return moved
+            self._gather_chunk(t)
+            moved = gathered = True
+
+    def _gather_chunk(self, t: _SocketSend) -> None:
+        per_chunk, bytes_per_block = self.layout.blocks_per_chunk, self.layout.bytes_per_block
+        ids = t.blocks[t.seq * per_chunk:(t.seq + 1) * per_chunk]
+        raw = t.slots[t.seq % 2].data[:len(ids) * bytes_per_block]
+        data = self._gather(ids, raw)  # raw as [num_layers, 2, len(ids), block_size, heads, head_dim]
+        payload = memoryview(raw.numpy())  # the frame keeps the slot's memory alive while zmq holds it
+        header = Chunk(t.pull.transfer_id, "ok", seq=t.seq, num_chunks=t.num_chunks, first_block=t.seq * per_chunk,
+                       num_blocks=len(ids), dtype=str(data.dtype).removeprefix("torch."), shape=list(data.shape),
+                       nbytes=payload.nbytes)
+        t.outgoing = [(encode(h), frame) for h, frame in _inject_fault(t.entry.fault, header, payload)]
+        t.seq += 1
+        with self._lock:
+            self.stats["bytes_sent"] += payload.nbytes
+        if t.gathered:
+            self._release_kv(t)
+
+    def _gather(self, ids: list[int], raw: torch.Tensor) -> torch.Tensor:
+        """Copy blocks ``ids`` into the staging bytes ``raw``; returns them viewed as KV."""
+        out = raw.view(self.kv.dtype).view(self.kv.shape[0], 2, len(ids), *self.layout.block_shape)
+        index = torch.tensor(ids, dtype=torch.int64, device=self.kv.device)
+        if self.kv.device.type == "cpu":
+            torch.index_select(self.kv, 2, index, out=out)
+        else:
+            out.copy_(self.kv.index_select(2, index))
+        return out
+
+    def _release_kv(self, t: _SocketSend) -> None:
+        """Frames point into staging, never into KV blocks, so the blocks can go back to the
+        scheduler as soon as the last chunk is gathered, or the transfer is given up on."""
+        if not t.kv_released:
+            t.kv_released = True
+            with self._lock:
+                self._done_sending.add(t.entry.req_id)
+
+    def _finish(self, t: _SocketSend, abandoned: str | None) -> None:
+        """Ends ``t`` (done, or ``abandoned`` for the given reason): its KV is released and its
+        slots return to the pool."""
+        if t in self._active:
+            self._active.remove(t)
+        else:
+            self._waiting.remove(t)
+        self._release_kv(t)
+        for slot in t.slots:
+            self._retire(slot, detach=abandoned is not None)
+        if abandoned is None:
+            with self._lock:
+                self.stats["seconds"].append(time.perf_counter() - t.started)
+            return
+        with self._lock:
+            self.stats["abandoned_sends"] += 1
+        logger.warning("KV send of %s abandoned: %s", t.entry.req_id, abandoned)
+        self._reply(t.identity, Chunk(t.pull.transfer_id, "error", f"the producer gave up: {abandoned}"))
+
+    def _retire(self, slot: _Slot, detach: bool) -> None:
+        """Frames of an abandoned transfer may sit in a stalled peer's queue for as long as it
+        stays connected. Rather than wait for them, set the slot aside (zmq's frames keep its
+        memory alive until zmq drops them, and nothing writes to it again) and stage in fresh
+        memory: up to one pool's worth, after which slots are reused once they drain."""
+        if detach and slot.busy() and len(self._detached) < 2 * MAX_SOCKET_SENDS:
+            self._detached.append(slot)
+            slot = _Slot(torch.empty(self.layout.slot_bytes, dtype=torch.uint8))
+        self._free.append(slot)
+
+    def _expire_leases(self, now: float) -> None:
+        with self._lock:
+            expired = [rid for rid, e in self._buffer.items() if e.lease_deadline < now]
+            for rid in expired:
+                del self._buffer[rid]
+                self._done_sending.add(rid)
+            for rid in [rid for rid, (e, _, _) in self._lent.items() if e.lease_deadline < now]:
+                del self._lent[rid]  # a consumer copying now gets ok=False and discards its copy
+                self._done_sending.add(rid)
+        for rid in expired:
+            logger.warning("KV lease of %s expired before any decode pulled it; blocks freed", rid)

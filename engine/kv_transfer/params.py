@@ -1,0 +1,85 @@
+"""`kv_transfer_params`: the one typed structure a client, proxy or peer can send about KV.
+
+It is parsed (``parse_kv_transfer_params``) at the edge — the API server, the offline API —
+so a wrong type, a missing field or an unknown key is a 400 naming the field, and nothing
+inside the engine core ever reads a client's raw dict.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from array import array
+from typing import Annotated
+
+import msgspec
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
+_KV_ADDR = re.compile(r"^tcp://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
+
+
+class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What one (sub-)request asks of the KV plane, or what a prefill instance hands back.
+
+    - ``do_remote_decode`` (client -> prefill): keep the prompt's KV for a decode instance.
+    - ``do_remote_prefill`` (prefill -> decode): pull ``num_tokens`` tokens of KV from
+      ``remote_kv_addr`` under ``remote_request_id``; ``token_digest`` names the tokens that
+      KV belongs to, and the producer refuses a pull whose tokens differ.
+    - ``kv_store_tokens`` (store-mode disaggregation): that many prompt tokens are in the
+      shared KV store.
+    """
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: ShortStr | None = None
+    remote_kv_addr: ShortStr | None = None
+    remote_host_id: ShortStr | None = None
+    remote_request_id: ShortStr | None = None
+    num_tokens: NonNegative = 0
+    token_digest: ShortStr | None = None
+    kv_store_tokens: NonNegative = 0
+    inject_fault: ShortStr | None = None  # test hook, honoured only with ENGINE_ALLOW_KV_FAULTS=1
+
+    def __post_init__(self) -> None:
+        if not self.do_remote_prefill:
+            return
+        for name in ("remote_kv_addr", "remote_request_id", "token_digest"):
+            if not getattr(self, name):
+                raise ValueError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+        if self.num_tokens < 1:
+            raise ValueError("kv_transfer_params.num_tokens must be >= 1 with do_remote_prefill")
+        match = _KV_ADDR.match(self.remote_kv_addr)
+        if match is None or not 0 < int(match.group(2)) < 65536:
+            raise ValueError(f"kv_transfer_params.remote_kv_addr must look like tcp://HOST:PORT, "
+                             f"got {self.remote_kv_addr!r}")
+
+
+class KVTransferParamsError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse_kv_transfer_params(value: object) -> KVTransferParams | None:
+    """A client's value (dict, struct or None) as a validated struct; raises
+    KVTransferParamsError naming the field."""
+    if value is None or isinstance(value, KVTransferParams):
+        return value
+    if not isinstance(value, dict):
+        raise KVTransferParamsError(f"kv_transfer_params must be an object, got {type(value).__name__}",
+                                    "kv_transfer_params")
+    try:
+        return msgspec.convert(value, KVTransferParams)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        field = re.search(r"at `\$\.(\w+)`", message) or re.search(r"unknown field `(\w+)`", message)
+        param = f"kv_transfer_params.{field.group(1)}" if field else "kv_transfer_params"
+        if message.startswith("kv_transfer_params."):
+            param = message.split(" ", 1)[0]
+        raise KVTransferParamsError(message if message.startswith("kv_transfer_params") else
+                                    f"{param}: {message}", param) from None
+
+
+def token_digest(token_ids: list[int]) -> str:
+    """Names a token sequence: the producer compares it before any KV leaves, so KV is only
+    ever handed to a request with the very tokens it was computed for."""
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()

@@ -1,0 +1,332 @@
+"""Prefix reuse and offload through KV stores: the worker half (the scheduler half and the
+metadata are in ``tiered.py``). Everything here that touches a store runs on a thread of its
+own, never on the engine's step thread.
+
+Saves: a save gathers the chunk's blocks into one CPU tensor right after the forward pass (a
+memcpy, while the blocks are certainly still the request's), puts it in the CPU tier and queues
+it for the slower tiers, which a background thread writes.
+
+Lookups run on lookup threads; each store call is bounded by the store's own timeout. A lookup
+pins the chunks it found (a lease, per request) and posts the count; the answer goes back in
+``KVConnectorOutput.lookups``. The lease ends when a load of the request has read the chunks,
+when the scheduler releases the lookup (admitted without a load, timed out, ended), or when a
+newer lookup for the request supersedes it. A lookup that was released or superseded before
+it finished posts nothing and unpins what it found.
+
+Loads run on loader threads: each chunk comes from the fastest tier that has it (a disk or
+Redis hit is promoted to the CPU tier) and is copied into the allocated blocks. Chunks are
+pinned while they load; anything missing at load time fails the load, and the scheduler
+recomputes.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_transfer.base import KVConnectorWorker, contiguous_runs
+from engine.kv_transfer.stores.base import KVStore
+from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
+from engine.outputs import KVConnectorOutput
+
+logger = logging.getLogger("engine.kv_store")
+
+MAX_PENDING_SAVE_BYTES = 512 * 2**20  # writes to slow tiers beyond this backlog are skipped
+NUM_LOADERS = 4
+# A hanging store holds one lookup thread for its timeout; the others keep answering (and skip
+# lookups the scheduler has given up on before doing any I/O for them).
+NUM_LOOKUP_THREADS = 2
+USED_BYTES_REFRESH_S = 1.0  # how often the saver refreshes the slow tiers' used_bytes for stats
+
+
+class TieredStore:
+    """The tiers in lookup order (fastest first), seen as one store."""
+
+    def __init__(self, stores: list[KVStore]) -> None:
+        self.stores = stores
+
+    def lookup(self, keys: list[str]) -> int:
+        """How many leading keys some tier holds (I/O: worker threads only)."""
+        found = [False] * len(keys)
+        for store in self.stores:
+            todo = [i for i, f in enumerate(found) if not f]
+            if not todo:
+                break
+            present = store.contains([keys[i] for i in todo])
+            for i, p in zip(todo, present):
+                found[i] = p
+            store.count(misses=present.count(False))
+        return found.index(False) if False in found else len(found)
+
+    def load(self, key: str) -> torch.Tensor | None:
+        for depth, store in enumerate(self.stores):
+            start = time.perf_counter()
+            kv = store.get(key)
+            if kv is None:
+                continue
+            store.count(hits=1, bytes_loaded=kv.numel() * kv.element_size(),
+                        load_seconds=time.perf_counter() - start)
+            for faster in self.stores[:depth]:
+                if faster.name == "cpu":  # promotion: the next hit is a memory hit
+                    faster.put(key, kv)
+            return kv
+        return None
+
+    def pin(self, keys: list[str]) -> None:
+        for store in self.stores:
+            store.pin(keys)
+
+    def unpin(self, keys: list[str]) -> None:
+        for store in self.stores:
+            store.unpin(keys)
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()
+
+
+@dataclass(slots=True)
+class _LookupJob:
+    lookup: TierLookup
+    ticket: int  # tells this lookup from earlier and later ones for the same request
+
+
+@dataclass(slots=True)
+class _UnpinJob:
+    keys: list[str]  # an ended lease: unpinned on a lookup thread (a pin can wait on a store lock)
+
+
+class TieredConnectorWorker(KVConnectorWorker):
+    def __init__(self, tiers: TieredStore) -> None:
+        self.tiers = tiers
+        self.kv: torch.Tensor | None = None
+        # Guards the per-request state below; never held across a store call.
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._cancelled: set[str] = set()
+        self._loads: queue.Queue[TierLoad] = queue.Queue()
+        self._saves: queue.Queue[tuple[str, torch.Tensor]] = queue.Queue()
+        self._lookup_jobs: queue.Queue[_LookupJob | _UnpinJob] = queue.Queue()
+        self._pending_save_bytes = 0
+        self.skipped_saves = 0
+        self._stop = threading.Event()
+        self._outstanding: set[str] = set()  # loads queued or running
+        # Lookup state. Invariant: a request is in at most one of _asked (a lookup queued or
+        # running) and _answers (posted, not yet collected); _leases holds what the last
+        # posted lookup of a request pinned, until a load or a release ends it.
+        self._ticket = 0
+        self._asked: dict[str, int] = {}
+        self._answers: dict[str, int] = {}
+        self._leases: dict[str, list[str]] = {}
+        # Several loaders: one load waiting for promised chunks must not hold up the others.
+        self._threads = [threading.Thread(target=self._load_loop, name=f"kv-store-load-{i}", daemon=True)
+                         for i in range(NUM_LOADERS)]
+        self._threads += [threading.Thread(target=self._lookup_loop, name=f"kv-store-lookup-{i}", daemon=True)
+                          for i in range(NUM_LOOKUP_THREADS)]
+        self._threads.append(threading.Thread(target=self._save_loop, name="kv-store-save", daemon=True))
+        self._slow_tiers = [s for s in tiers.stores if s.name != "cpu"]
+        self._cpu_tier = next((s for s in tiers.stores if s.name == "cpu"), None)
+        # A slow tier's used_bytes may be a network call (Redis INFO): the saver refreshes it.
+        self._slow_used: dict[str, int] = {s.name: 0 for s in self._slow_tiers}
+        self._slow_used_at = 0.0
+
+    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
+        self.kv = kv_caches  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        for t in self._threads:
+            t.start()
+
+    def start_load_kv(self, metadata: TieredMetadata | None) -> None:
+        if metadata is None:
+            return
+        unpins: list[list[str]] = []
+        jobs: list[_LookupJob] = []
+        with self._lock:
+            # A cancel for a load that already finished is moot (and would linger).
+            self._cancelled.update(r for r in metadata.cancels if r in self._outstanding)
+            self._outstanding.update(load.req_id for load in metadata.loads)
+            for req_id in metadata.releases:
+                self._end_lookup(req_id, unpins)
+            for lookup in metadata.lookups:
+                self._end_lookup(lookup.req_id, unpins)  # superseded
+                self._ticket += 1
+                self._asked[lookup.req_id] = self._ticket
+                jobs.append(_LookupJob(lookup, self._ticket))
+        for keys in unpins:
+            self._lookup_jobs.put(_UnpinJob(keys))
+        for job in jobs:
+            self._lookup_jobs.put(job)
+        for load in metadata.loads:
+            self._loads.put(load)
+
+    def _end_lookup(self, req_id: str, unpins: list[list[str]]) -> None:
+        """Forget a request's lookup (under the lock): a running one will post nothing, an
+        uncollected answer is dropped, and its lease is handed to a lookup thread to unpin."""
+        self._asked.pop(req_id, None)
+        self._answers.pop(req_id, None)
+        lease = self._leases.pop(req_id, None)
+        if lease:
+            unpins.append(lease)
+
+    def save_kv(self, metadata: TieredMetadata | None) -> None:
+        if metadata is None:
+            return
+        for save in metadata.saves:
+            # A copy now, while the blocks surely hold this chunk; everything slower happens later.
+            index = torch.tensor(save.block_ids, dtype=torch.int64, device=self.kv.device)
+            chunk = self.kv.index_select(2, index).cpu()
+            if self._cpu_tier is not None:
+                self._cpu_tier.put(save.key, chunk)  # in memory; its lock is never held across I/O
+            if not self._slow_tiers:
+                continue
+            nbytes = chunk.numel() * chunk.element_size()
+            with self._lock:
+                if self._pending_save_bytes + nbytes > MAX_PENDING_SAVE_BYTES:
+                    self.skipped_saves += 1  # the slow tiers cannot keep up: skip, never block
+                    continue
+                self._pending_save_bytes += nbytes
+            self._saves.put((save.key, chunk))
+
+    def get_finished(self) -> KVConnectorOutput:
+        with self._lock:
+            out = KVConnectorOutput(finished_recving=self._done, failed_recving=set(self._failed),
+                                    failure_reasons=dict(self._failed), lookups=self._answers)
+            self._done, self._failed, self._answers = set(), {}, {}
+        return out
+
+    def store_stats(self) -> dict[str, dict]:
+        """Never waits on a store: a slow tier's used_bytes is the saver's last reading."""
+        stats = {}
+        for store in self.tiers.stores:
+            s = store.stats
+            used = self._slow_used[store.name] if store.name in self._slow_used else store.used_bytes()
+            stats[store.name] = {"hits": s.hits, "misses": s.misses, "bytes_stored": s.bytes_stored,
+                                 "bytes_loaded": s.bytes_loaded, "used_bytes": used,
+                                 "load_seconds": store.drain_load_seconds()}
+        return stats
+
+    def wait_for_saves(self, timeout: float = 30.0) -> bool:
+        """Block until queued writes to the slow tiers are done (tests, shutdown, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while self._pending_save_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._pending_save_bytes
+
+    def shutdown(self) -> None:
+        self.wait_for_saves(timeout=10)
+        self._stop.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(2)
+        self.tiers.close()
+
+    # ---- lookup threads ------------------------------------------------------------------
+    def _lookup_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._lookup_jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                if isinstance(job, _UnpinJob):
+                    self.tiers.unpin(job.keys)
+                else:
+                    self._lookup(job)
+            except Exception:  # a store bug must not kill the thread: that lookup times out to a miss
+                logger.exception("KV store lookup job raised")
+
+    def _lookup(self, job: _LookupJob) -> None:
+        req_id = job.lookup.req_id
+        with self._lock:
+            if self._asked.get(req_id) != job.ticket:
+                return  # released or superseded while queued: no I/O for an unwanted answer
+        keys = job.lookup.keys
+        found = keys[:self.tiers.lookup(keys)]
+        if found:
+            self.tiers.pin(found)  # before the answer is visible: a load never finds them unpinned
+        with self._lock:
+            current = self._asked.get(req_id) == job.ticket
+            if current:
+                del self._asked[req_id]
+                self._answers[req_id] = len(found)
+                if found:
+                    self._leases[req_id] = found
+        if found and not current:
+            self.tiers.unpin(found)
+
+    # ---- loader threads ------------------------------------------------------------------
+    def _load_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                load = self._loads.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            keys = [chunk.key for chunk in load.chunks]
+            self.tiers.pin(keys)  # from here to the end of the load, eviction cannot take them
+            with self._lock:
+                lease = self._leases.pop(load.req_id, None)  # the load's pins replace the lookup's
+            if lease:
+                self.tiers.unpin(lease)
+            try:
+                error = self._load(load)
+            except Exception as exc:  # a store bug fails this load (it recomputes), never the loader
+                logger.exception("KV store load for %s raised", load.req_id)
+                error = f"error: {type(exc).__name__}: {exc}"
+            finally:
+                self.tiers.unpin(keys)
+            with self._lock:
+                self._cancelled.discard(load.req_id)
+                self._outstanding.discard(load.req_id)
+                if error is None:
+                    self._done.add(load.req_id)
+                else:
+                    self._failed[load.req_id] = error
+            if error is not None and not error.startswith("cancelled"):
+                logger.info("KV store load for %s fell short (%s); recomputing", load.req_id, error)
+
+    def _load(self, load: TierLoad) -> str | None:
+        for chunk in load.chunks:
+            if load.req_id in self._cancelled:
+                return "cancelled: the request ended"
+            kv = self.tiers.load(chunk.key)
+            while kv is None and time.monotonic() < load.wait_until and load.req_id not in self._cancelled:
+                time.sleep(0.005)  # promised by a prefill instance whose write is still on its way
+                kv = self.tiers.load(chunk.key)
+            if kv is None:
+                return f"miss: chunk {chunk.key[:12]} is in no tier (evicted, or never written)"
+            src = list(range(chunk.first_block, chunk.first_block + len(chunk.block_ids)))
+            for s, d, n in contiguous_runs(src, chunk.block_ids):
+                self.kv[:, :, d:d + n].copy_(kv[:, :, s:s + n])
+        return None
+
+    # ---- saver thread --------------------------------------------------------------------
+    def _save_loop(self) -> None:
+        while not self._stop.is_set():
+            self._refresh_slow_used()
+            try:
+                key, chunk = self._saves.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                for store in self._slow_tiers:
+                    store.put(key, chunk)
+            except Exception:  # a store bug must not kill the saver: log and go on
+                logger.exception("KV store write of %s failed", key)
+            finally:
+                with self._lock:
+                    self._pending_save_bytes -= chunk.numel() * chunk.element_size()
+
+    def _refresh_slow_used(self) -> None:
+        now = time.monotonic()
+        if now - self._slow_used_at < USED_BYTES_REFRESH_S:
+            return
+        self._slow_used_at = now
+        for store in self._slow_tiers:
+            try:
+                self._slow_used[store.name] = store.used_bytes()
+            except Exception:
+                logger.exception("KV store %s: used_bytes failed", store.name)

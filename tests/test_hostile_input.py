@@ -1,0 +1,130 @@
+"""FAULTS.md 26, 27 and 33 against a real `engine serve`: every field a client sends is checked
+before the engine core sees it. Each request here once stopped an engine (or would have run a
+client's code on the server); now each gets a 400 naming the field, and the same engine
+then still answers a canonical request with its canonical output."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server_utils import ServerProcess
+
+MODEL = "tiny"
+ARGS = ["--served-model-name", MODEL, "--num-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "4",
+        "--role", "decode"]
+CANONICAL = {"prompt": "The canonical prompt", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+DIGEST = "0" * 64
+PULL = {"do_remote_prefill": True, "remote_kv_addr": "tcp://127.0.0.1:9", "remote_request_id": "x",
+        "num_tokens": 3, "token_digest": DIGEST}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerProcess(str(tiny_llama), *ARGS)
+    srv.canonical = _post(srv, "/v1/completions", CANONICAL).json()["choices"][0]["text"]
+    yield srv
+    assert srv.stop() in (0, -15)
+
+
+@pytest.fixture(autouse=True)
+def _still_serving(server):
+    yield
+    # Whatever the test sent, the engine is alive, idle, and answers as before.
+    resp = _post(server, "/v1/completions", CANONICAL)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == server.canonical
+    server.wait_idle()
+    assert server.status()["requests"]["tracked_by_engine"] == 0
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, timeout=60, headers={"Content-Type": "application/json"})
+
+
+def _error(resp: httpx.Response, status: int, param: str | None) -> str:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == status and error["param"] == param, error
+    return error["message"]
+
+
+@pytest.mark.parametrize("ids", [[10_000_000], [2**40], [-1]])
+def test_stop_token_ids_outside_the_vocabulary(server, ids):
+    # Once an IndexError inside the sampler's step (with min_tokens > 0): the core died.
+    body = {"prompt": "hi", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": ids}
+    _error(_post(server, "/v1/completions", body), 400, "stop_token_ids")
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"do_remote_prefill": True, "num_tokens": "abc"}, "kv_transfer_params.num_tokens"),
+    ({**PULL, "remote_kv_addr": None}, "kv_transfer_params.remote_kv_addr"),
+    ({k: v for k, v in PULL.items() if k != "remote_kv_addr"}, "kv_transfer_params.remote_kv_addr"),
+    ({**PULL, "token_digest": None}, "kv_transfer_params.token_digest"),
+    ({**PULL, "remote_kv_addr": "http://evil.example/"}, "kv_transfer_params.remote_kv_addr"),
+    ({**PULL, "remote_kv_addr": "tcp://127.0.0.1:0"}, "kv_transfer_params.remote_kv_addr"),
+    ({**PULL, "num_tokens": -5}, "kv_transfer_params.num_tokens"),
+    ({**PULL, "num_tokens": 2**70}, "kv_transfer_params.num_tokens"),
+    ({"kv_store_tokens": "x"}, "kv_transfer_params.kv_store_tokens"),
+    ({"unknown_key": 1}, "kv_transfer_params.unknown_key"),
+    ("a string", "kv_transfer_params"),
+    ([PULL, PULL], "kv_transfer_params"),  # two entries for one prompt
+])
+def test_malformed_kv_transfer_params(server, params, field):
+    # Each once escaped schedule() on a decode instance and killed its core.
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "kv_transfer_params": params}
+    _error(_post(server, "/v1/completions", body), 400, field)
+
+
+def test_one_pull_object_cannot_serve_a_prompt_list(server):
+    body = {"prompt": ["first prompt", "second prompt"], "max_tokens": 2, "kv_transfer_params": PULL}
+    _error(_post(server, "/v1/completions", body), 400, "kv_transfer_params")
+
+
+def test_pull_from_an_address_that_is_not_a_kv_server(server):
+    # Well-formed but pointing at a closed port: the load fails, the prompt is recomputed, and the
+    # answer is exactly the colocated one (the default load failure policy).
+    body = {**CANONICAL, "kv_transfer_params": {**PULL, "num_tokens": 4}}
+    resp = _post(server, "/v1/completions", body)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == server.canonical
+
+
+def test_client_chat_templates_are_refused(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template": "{% for m in messages %}{{ m.content * 1000000 }}{% endfor %}"}
+    assert "--trust-request-chat-template" in _error(_post(server, "/v1/chat/completions", body), 400,
+                                                     "chat_template")
+
+
+def test_chat_content_parts(server):
+    text_parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                            {"type": "text", "text": "there"}]}],
+                  "max_tokens": 3, "temperature": 0}
+    joined = {"messages": [{"role": "user", "content": "Hello\nthere"}], "max_tokens": 3, "temperature": 0}
+    a, b = _post(server, "/v1/chat/completions", text_parts), _post(server, "/v1/chat/completions", joined)
+    assert a.status_code == b.status_code == 200
+    assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    _error(_post(server, "/v1/chat/completions", image), 400, "messages.0.content.0")
+    _error(_post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400,
+           "messages.0.role")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 5}, "n"),                       # more sequences than --max-num-seqs 4
+    ({"prompt": ["a", "b", "c"], "n": 2}, "prompt"),
+    ({"prompt": ["p"] * 1000}, "prompt"),
+    ({"prompt": "x", "n": 10**12}, "n"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "request_id": "r" * 1000}, "request_id"),
+    ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+])
+def test_limits(server, body, param):
+    _error(_post(server, "/v1/completions", body), 400, param)
+
+
+def test_body_too_large(server):
+    resp = _post(server, "/v1/completions", json.dumps({"prompt": "x" * (33 * 2**20)}))
+    assert resp.status_code == 413
