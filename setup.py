@@ -29,7 +29,8 @@ setup(
         "hiredis",  # redis-py's C reply parser: large KV values parse without holding the GIL for long
     ],
     extras_require={
-        "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib"],
+        "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib", "hypothesis>=6.170,<7",
+                 "schemathesis==4.32.5"],
         "cuda": ["flash-attn", "xformers"],
     },
     entry_points={"console_scripts": ["engine = entrypoints.cli:main"]},

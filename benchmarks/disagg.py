@@ -1,7 +1,8 @@
 """Disaggregated prefill, measured side by side in one run:
 
 1. KV transfer bandwidth of the real worker code path (producer -> consumer, same host over
-   ipc and over TCP loopback) next to torch memcpy and raw zmq TCP loopback bandwidth.
+   ipc and over TCP loopback, authenticated with a deployment secret; over TCP also encrypted,
+   as with --kv-encrypt) next to torch memcpy and raw zmq TCP loopback bandwidth.
 2. TTFT and ITL, colocated `engine serve` against prefill -> decode through `engine proxy`,
    at several prompt lengths (sequential requests, so this is the pure disaggregation overhead).
 
@@ -26,6 +27,7 @@ import zmq  # noqa: E402
 
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, SendSpec, ipc_path  # noqa: E402
 from engine.kv_transfer.p2p_worker import P2PConnectorWorker  # noqa: E402
+from engine.kv_transfer.secret import KVSecret, new_secret  # noqa: E402
 from tests.disagg_utils import Disagg  # noqa: E402
 from tests.server_utils import ServerProcess, free_port  # noqa: E402
 
@@ -66,14 +68,16 @@ def raw_tcp_gbps(nbytes: int) -> float:
     return 4 * nbytes / elapsed / 1e9
 
 
-def connector_gbps(num_blocks: int, use_tcp: bool, scattered: bool = False) -> float:
-    """Producer and consumer workers in one process, real sockets between them. `scattered`
-    puts the destination blocks in random order, as a long-running pool hands them out."""
+def connector_gbps(num_blocks: int, use_tcp: bool, scattered: bool = False, encrypt: bool = False) -> float:
+    """Producer and consumer workers in one process, real sockets between them, sharing a
+    deployment secret (so every socket is authenticated; ``encrypt``: and CURVE-encrypted).
+    `scattered` puts the destination blocks in random order, as a long-running pool hands them out."""
     shape = (LAYERS, 2, num_blocks + 8, BLOCK, HEADS, HEAD_DIM)
     # Allocated as the engine does: the producer's KV lives in shared memory unless ENGINE_KV_SHM=0.
     port = free_port()
-    producer = P2PConnectorWorker("p", "fp", "127.0.0.1", port)
-    consumer = P2PConnectorWorker("d", "fp", None, None)
+    secret = KVSecret(new_secret())
+    producer = P2PConnectorWorker("p", "fp", "127.0.0.1", port, secret=secret, encrypt=encrypt)
+    consumer = P2PConnectorWorker("d", "fp", None, None, secret=secret, encrypt=encrypt)
     producer_kv = producer.allocate_kv_cache(shape, torch.float32, torch.device("cpu"))
     producer_kv.copy_(torch.randn(shape))
     producer.register_kv_caches(producer_kv)
@@ -204,6 +208,7 @@ def main() -> None:
     nbytes = num_blocks * 2 * LAYERS * BLOCK * HEADS * HEAD_DIM * 4
     mem, tcp = memcpy_gbps(nbytes), raw_tcp_gbps(nbytes)
     ipc_conn, tcp_conn = connector_gbps(num_blocks, use_tcp=False), connector_gbps(num_blocks, use_tcp=True)
+    tcp_encrypted = connector_gbps(num_blocks, use_tcp=True, encrypt=True)
     ipc_scattered = connector_gbps(num_blocks, use_tcp=False, scattered=True)
     os.environ["ENGINE_KV_SHM"] = "0"
     ipc_socket = connector_gbps(num_blocks, use_tcp=False)
@@ -216,7 +221,9 @@ def main() -> None:
     print(f"| connector, same host (shared-memory KV, default) | {ipc_conn:.2f} | {ipc_conn / mem:.0%} of memcpy |")
     print(f"| same, fully scattered destination blocks | {ipc_scattered:.2f} | {ipc_scattered / mem:.0%} of memcpy |")
     print(f"| same host, ipc socket (ENGINE_KV_SHM=0) | {ipc_socket:.2f} | {ipc_socket / mem:.0%} of memcpy |")
-    print(f"| connector, TCP loopback | {tcp_conn:.2f} | {tcp_conn / tcp:.0%} of raw TCP |")
+    print(f"| connector, TCP loopback (authenticated, default) | {tcp_conn:.2f} | {tcp_conn / tcp:.0%} of raw TCP |")
+    print(f"| same, encrypted (--kv-encrypt, CURVE) | {tcp_encrypted:.2f} | "
+          f"{tcp_encrypted / tcp_conn:.0%} of unencrypted TCP |")
 
     if not args.skip_serving:
         rows = serving(args.model, args.lengths, args.requests)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from engine.kv_transfer.secret import KVSecret, load_kv_secret
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
@@ -99,6 +101,10 @@ class EngineConfig:
     kv_store: str | None = None
     kv_chunk_tokens: int = 256  # tokens per stored chunk, a multiple of block_size
     kv_store_ttl_s: int = 24 * 3600  # Redis entries expire after this long without a write
+    # The deployment secret (engine/kv_transfer/secret.py): a file holding it, or the secret
+    # itself; neither given: $ENGINE_KV_SECRET, else none (KV plane open to this host only).
+    kv_secret_file: str | None = None
+    kv_secret: KVSecret | bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -120,5 +126,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.kv_store_ttl_s, int) or self.kv_store_ttl_s < 1:
             raise ValueError(f"kv_store_ttl_s must be a positive integer, got {self.kv_store_ttl_s!r}")
+        if self.kv_secret is None:
+            self.kv_secret = load_kv_secret(self.kv_secret_file)
+        elif not isinstance(self.kv_secret, KVSecret):
+            self.kv_secret = KVSecret(self.kv_secret)
         self.cache = CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching)
         self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)

@@ -84,6 +84,7 @@ class EngineCore:
             num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv, num_held=len(scheduler.held),
             num_tracked_requests=self.engine.num_tracked_requests(),
             kv_transfer_bytes=moved, kv_transfer_failures=failures, kv_transfer_seconds=seconds,
+            kv_auth_failures=self.engine.runner.connector.auth_failures(),
             kv_store={tier: TierStats(**t) for tier, t in self.engine.runner.connector.store_stats().items()},
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,

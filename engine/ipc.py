@@ -78,6 +78,7 @@ class TierStats(msgspec.Struct):
     bytes_loaded: int = 0
     used_bytes: int = 0
     load_seconds: list[float] = []  # since the previous stats message
+    rejected: dict[str, int] = {}  # entries refused on read and deleted, by reason (bad_tag, corrupt, wrong_format)
 
 
 class EngineStats(msgspec.Struct):
@@ -98,6 +99,7 @@ class EngineStats(msgspec.Struct):
     num_tracked_requests: int = 0  # per-request state anywhere in the engine (0 when idle)
     kv_transfer_bytes: int = 0
     kv_transfer_failures: dict[str, int] = {}
+    kv_auth_failures: dict[str, int] = {}  # messages the KV server refused from unauthenticated peers
     # Durations of transfers that completed since the previous stats message.
     kv_transfer_seconds: list[float] = []
     kv_store: dict[str, TierStats] = {}  # per KV store tier ("cpu", "disk", "redis")

@@ -17,7 +17,9 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
-from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
+from engine.kv_transfer.params import (
+    KVTransferParams, KVTransferParamsError, check_kv_transfer_params_signature, parse_kv_transfer_params,
+)
 from engine.kv_transfer.p2p_worker import STAGING_BYTES, P2PConnectorWorker
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
 from engine.kv_transfer.tiered import TieredConnectorScheduler
@@ -110,8 +112,10 @@ class LLMEngine:
             if transfer.kv_role == "kv_producer" and port is None:
                 raise ValueError("a KV producer (--role prefill) needs --kv-port")
             connector = P2PConnectorScheduler(transfer, self.engine_id, port and f"tcp://{transfer.kv_ip}:{port}",
-                                              config.block_size)
-            self.runner.set_connector(P2PConnectorWorker(self.engine_id, self.fingerprint, transfer.kv_ip, port))
+                                              config.block_size, config.kv_secret)
+            self.runner.set_connector(P2PConnectorWorker(self.engine_id, self.fingerprint, transfer.kv_ip, port,
+                                                         secret=config.kv_secret,
+                                                         encrypt=bool(transfer.extra.get("encrypt", False))))
         elif config.kv_store:
             connector = self._tiered_connector(config)
         elif transfer is not None and transfer.kv_connector is not None:
@@ -134,11 +138,12 @@ class LLMEngine:
         blocks_per_chunk = config.kv_chunk_tokens // config.block_size
         fmt = ChunkFormat(self.fingerprint, self.runner.dtype,
                           (cfg.num_layers, 2, blocks_per_chunk, config.block_size, cfg.num_kv_heads, cfg.head_dim))
-        tiers = TieredStore(parse_store_spec(config.kv_store, fmt, config.kv_store_ttl_s))
+        tiers = TieredStore(parse_store_spec(config.kv_store, fmt, config.kv_store_ttl_s, config.kv_secret))
         logger.info("KV store tiers: %s (%d-token chunks of %.1f MiB)", ", ".join(s.name for s in tiers.stores),
                     config.kv_chunk_tokens, fmt.nbytes / 2**20)
         self.runner.set_connector(TieredConnectorWorker(tiers))
-        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens)
+        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens, secret=config.kv_secret,
+                                        params_ttl_s=config.kv_store_ttl_s)
 
     def _eos_token_ids(self, hf_config: dict, gen_config: dict) -> frozenset[int]:
         ids: set[int] = set()
@@ -160,11 +165,11 @@ class LLMEngine:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        for field, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"token id {bad[0]!r} in {field} is out of vocabulary "
-                                          f"(size {self.vocab_size})", field)
+                raise InvalidRequestError(f"token id {bad[0]!r} in {name} is out of vocabulary "
+                                          f"(size {self.vocab_size})", name)
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
@@ -190,6 +195,7 @@ class LLMEngine:
         nothing was queued."""
         try:
             kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
+            check_kv_transfer_params_signature(kv_transfer_params, self.config.kv_secret)
         except KVTransferParamsError as exc:
             raise InvalidRequestError(str(exc), exc.param) from None
         if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
@@ -214,7 +220,9 @@ class LLMEngine:
             # offers it), the others wait for it to land and then hit the prefix cache.
             leads = index == 0 or kv_transfer_params is None
             # The n samples differ through their seeds; a seeded request stays reproducible.
-            child_params = params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + index)
+            # (seed + index, wrapped into the 64-bit signed range every seed must stay in)
+            child_params = params if params.n == 1 or params.seed is None else params.replace(
+                seed=(params.seed + index + 2**63) % 2**64 - 2**63)
             children[child_id] = _Child(index, IncrementalDetokenizer(tokenizer, prompt_token_ids, child_params),
                                         logprobs=[] if params.logprobs is not None else None,
                                         cumulative_logprob=0.0 if params.logprobs is not None else None)

@@ -329,6 +329,7 @@ class Scheduler:
             # Never decode over blocks that were not filled: drop them all.
             self.kv.free(request)
             request.num_computed_tokens = 0
+            request.num_cached_tokens = None  # nothing came: counted again at its next admission
             reason = kv_out.failure_reasons.get(req_id, "KV load failed")
             if self.connector.load_failure_policy == "recompute":
                 logger.warning("KV load for %s failed (%s); recomputing the prefill locally", req_id, reason)

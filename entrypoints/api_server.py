@@ -18,17 +18,32 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core_client import AsyncEngineClient, EngineRequestError, RequestStream
 from engine.ipc import ChoiceDelta, LogprobEntry
-from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
+from engine.kv_transfer.params import (
+    KVTransferParams,
+    KVTransferParamsError,
+    check_kv_transfer_params_signature,
+    parse_kv_transfer_params,
+)
 from engine.sampling_params import MAX_LOGPROBS
 from entrypoints.metrics import ServerMetrics
-from entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, ModelCard,
-                                  ModelList, UsageInfo, document_request_bodies, random_id)
+from entrypoints.protocol import (
+    BodyError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    document_request_bodies,
+    read_json_object,
+    request_id_of,
+)
 
 logger = logging.getLogger("engine.api")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
-MAX_BODY_BYTES = 32 * 2**20
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -84,17 +99,10 @@ class OpenAIServer:
 
     # ---- input -------------------------------------------------------------------------
     async def _parse(self, raw: Request, model_cls):
-        if int(raw.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
-        body = await raw.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}")
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
+            data = await read_json_object(raw)
+        except BodyError as exc:
+            raise APIError(exc.status, exc.message, exc.param) from None
         try:
             request = model_cls.model_validate(data)
         except pydantic.ValidationError as exc:
@@ -168,6 +176,8 @@ class OpenAIServer:
             items = [value] * num_prompts
         try:
             parsed = [parse_kv_transfer_params(v) for v in items]
+            for p in parsed:
+                check_kv_transfer_params_signature(p, self.client.config.kv_secret)
         except KVTransferParamsError as exc:
             raise APIError(400, str(exc), exc.param)
         if not isinstance(value, list) and num_prompts > 1 and parsed[0] is not None and parsed[0].do_remote_prefill:
@@ -197,9 +207,10 @@ class OpenAIServer:
     async def _serve(self, raw: Request, request, prefix: str, prompts: list[list[int]], params,
                      chat: bool) -> Response:
         kv_params = self._check_request(request, prompts, params)
-        request_id = request.request_id or raw.headers.get("x-request-id") or random_id(prefix)
-        if len(request_id) > 256:
-            raise APIError(400, "X-Request-Id must be at most 256 characters", "request_id")
+        try:
+            request_id = request_id_of(request.request_id, raw.headers.get("x-request-id"), prefix)
+        except BodyError as exc:
+            raise APIError(exc.status, exc.message, exc.param) from None
         arrival = time.monotonic()
         streams: list[RequestStream] = []
         try:
@@ -506,9 +517,11 @@ def build_app(server: OpenAIServer) -> FastAPI:
                               "in_use": stats.num_blocks - stats.num_free_blocks},
                 "num_preemptions": stats.num_preemptions,
                 "kv_transfer": {"blocks_held": stats.kv_blocks_held, "bytes": stats.kv_transfer_bytes,
-                                "failures": stats.kv_transfer_failures},
+                                "failures": stats.kv_transfer_failures,
+                                "auth_failures": stats.kv_auth_failures},
                 "kv_store": {tier: {"hits": t.hits, "misses": t.misses, "bytes_stored": t.bytes_stored,
-                                    "bytes_loaded": t.bytes_loaded, "used_bytes": t.used_bytes}
+                                    "bytes_loaded": t.bytes_loaded, "used_bytes": t.used_bytes,
+                                    "rejected": t.rejected}
                              for tier, t in stats.kv_store.items()}}
 
     return app

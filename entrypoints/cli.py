@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -32,12 +33,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--kv-store", default=None, metavar="SPEC",
                         help="KV cache tiers in lookup order, comma-separated: cpu:SIZE, disk:PATH:SIZE, "
-                             "redis://host:port/db (also rediss://, unix://), e.g. "
+                             "redis://[user:pass@]host:port/db (also rediss://...?ssl_ca_certs=CA, unix://; "
+                             "percent-encode / ? # %% @ in passwords), e.g. "
                              "cpu:2GiB,disk:./kvcache:10GiB,redis://127.0.0.1:6379/0")
     parser.add_argument("--kv-chunk-tokens", type=int, default=256,
                         help="tokens per stored KV chunk, a multiple of --block-size (default 256)")
     parser.add_argument("--kv-store-ttl-s", type=int, default=24 * 3600,
                         help="expiry of Redis KV entries in seconds (default 86400)")
+    parser.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                        help="the deployment secret shared by its prefill, decode and store users (a file of "
+                             "mode 0600; create one with `engine secret PATH`; or set ENGINE_KV_SECRET): "
+                             "signs kv_transfer_params, authenticates KV sockets, authenticates store entries")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,7 +52,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                 dtype=args.dtype, device=args.device, seed=args.seed, kv_store=args.kv_store,
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s)
+                kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s,
+                kv_secret_file=args.kv_secret_file)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -84,12 +91,51 @@ def kv_transfer_config(args: argparse.Namespace):
         kv_connector="p2p", kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
         kv_ip=args.kv_ip or args.host, kv_port=(args.kv_port or 14579) if args.role == "prefill" else None,
         kv_load_failure_policy=args.kv_load_failure_policy,
-        extra={"lease_s": args.kv_lease_s, "load_timeout_s": args.kv_load_timeout_s})
+        extra={"lease_s": args.kv_lease_s, "load_timeout_s": args.kv_load_timeout_s, "encrypt": args.kv_encrypt})
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable from elsewhere
+
+
+def check_kv_exposure(args: argparse.Namespace, config) -> None:
+    """Safe by default: the KV plane (a prefill's KV port, a decode's readiness to pull from
+    the addresses it is given) is only reachable beyond this host with a deployment secret."""
+    transfer = config.kv_transfer_config
+    if transfer is None:
+        return
+    if transfer.kv_ip in ("0.0.0.0", "::", "[::]", "*"):
+        raise ValueError(f"--kv-ip {transfer.kv_ip} is not an address decode instances can connect to: pass "
+                         "--kv-ip with this host's address on the network they use")
+    if transfer.extra.get("encrypt") and config.kv_secret is None:
+        raise ValueError("--kv-encrypt needs the deployment secret: --kv-secret-file PATH or ENGINE_KV_SECRET")
+    exposed = sorted({h for h in (args.host, transfer.kv_ip) if not _is_loopback(h)})
+    if exposed and config.kv_secret is None and not args.insecure_kv:
+        raise ValueError(f"--role {args.role} on {', '.join(exposed)} without a deployment secret would let anyone "
+                         "who reaches it read KV or point this instance at their own: create one with `engine "
+                         "secret PATH`, pass --kv-secret-file PATH to every prefill and decode instance of the "
+                         "deployment (or set ENGINE_KV_SECRET), or pass --insecure-kv to accept the risk")
+
+
+def cmd_secret(args: argparse.Namespace) -> int:
+    from engine.kv_transfer.secret import write_secret_file
+
+    if os.path.exists(args.path) and not args.force:
+        raise ValueError(f"{args.path} exists; pass --force to replace it")
+    print(f"wrote a new deployment secret to {write_secret_file(args.path)} (mode 0600): pass "
+          f"--kv-secret-file {args.path} to each instance of the deployment")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import os
 
     import uvicorn
     from transformers import AutoTokenizer
@@ -102,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model_path or args.model)
     served = args.served_model_name or [args.model_path or args.model or "SmolLM2-135M-Instruct"]
     config = EngineConfig(model=str(model_dir), kv_transfer_config=kv_transfer_config(args), **engine_kwargs(args))
+    check_kv_exposure(args, config)
     api_key = args.api_key or os.environ.get("ENGINE_API_KEY")
 
     async def serve() -> None:
@@ -251,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="prefill role: seconds a finished prompt's KV is held for a decode to pull (default 30)")
     srv.add_argument("--kv-load-timeout-s", type=float, default=30.0,
                      help="decode role: deadline for a KV pull (default 30)")
+    srv.add_argument("--kv-encrypt", action="store_true",
+                     help="encrypt KV sent over TCP (CURVE, keys derived from the deployment secret; needs "
+                          "--kv-secret-file). Same-host shared-memory copies are unaffected")
+    srv.add_argument("--insecure-kv", action="store_true",
+                     help="allow --role prefill/decode on a non-loopback address without a deployment secret "
+                          "(anyone who reaches the ports can then read KV or steer the decode instance)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -273,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     dg.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
     add_engine_args(dg)
     dg.set_defaults(func=cmd_disagg)
+
+    sc = sub.add_parser("secret", help="write a new random deployment secret (mode 0600) for --kv-secret-file")
+    sc.add_argument("path")
+    sc.add_argument("--force", action="store_true", help="replace an existing file")
+    sc.set_defaults(func=cmd_secret)
 
     st = sub.add_parser("status", help="print the live state of engine instances (or of a proxy and everything "
                                        "behind it): requests by status, KV blocks, transfers, store tiers")

@@ -2,6 +2,7 @@
 three processes, with Ctrl-C/SIGTERM forwarded to all of them."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import time
 
 import httpx
+
+from engine.kv_transfer.secret import ENV_VAR, new_secret
 
 
 def _free_port() -> int:
@@ -33,14 +36,19 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> Non
 
 def run_disagg(model: str | None, host: str, port: int, engine_args: list[str]) -> int:
     engine = [sys.executable, "-m", "entrypoints.cli"]
+    env = dict(os.environ)
+    if "--kv-secret-file" not in engine_args and not env.get(ENV_VAR):
+        # Protected without configuration: a fresh secret for these processes only (the
+        # environment of a process is readable by its owner alone).
+        env[ENV_VAR] = new_secret()
     model_args = [model] if model else []
     p_port, d_port, kv_port = _free_port(), _free_port(), _free_port()
     procs: list[subprocess.Popen] = []
     try:
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(p_port), "--role", "prefill",
-                                       "--kv-port", str(kv_port), *engine_args]))
+                                       "--kv-port", str(kv_port), *engine_args], env=env))
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(d_port), "--role", "decode",
-                                       *engine_args]))
+                                       *engine_args], env=env))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         _wait_healthy(p_url, procs[0])
         _wait_healthy(d_url, procs[1])

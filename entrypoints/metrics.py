@@ -58,6 +58,11 @@ class _EngineStatsCollector:
         for reason, count in sorted(s.kv_transfer_failures.items()):
             failures.add_metric([self.model_name, reason], count)
         yield failures
+        refused = CounterMetricFamily("engine:kv_socket_auth_failures", "Messages the KV server refused from peers "
+                                      "without the deployment secret, by reason.", labels=["model_name", "reason"])
+        for reason, count in sorted(s.kv_auth_failures.items()):
+            refused.add_metric([self.model_name, reason], count)
+        yield refused
         tier_counters = [
             ("engine:kv_store_hits", "KV chunks loaded from a store tier.", "hits"),
             ("engine:kv_store_misses", "KV chunks looked up in a store tier and not found.", "misses"),
@@ -69,6 +74,13 @@ class _EngineStatsCollector:
             for tier, t in sorted(s.kv_store.items()):
                 c.add_metric([self.model_name, tier], getattr(t, field))
             yield c
+        rejected = CounterMetricFamily("engine:kv_store_rejected", "KV store entries refused on read and deleted "
+                                       "(bad_tag: forged or altered; corrupt; wrong_format).",
+                                       labels=["model_name", "tier", "reason"])
+        for tier, t in sorted(s.kv_store.items()):
+            for reason, count in sorted(t.rejected.items()):
+                rejected.add_metric([self.model_name, tier, reason], count)
+        yield rejected
         used = GaugeMetricFamily("engine:kv_store_used_bytes", "Bytes a KV store tier holds.",
                                  labels=["model_name", "tier"])
         for tier, t in sorted(s.kv_store.items()):

@@ -1,13 +1,56 @@
 """OpenAI-compatible request and response bodies (pydantic), with vLLM's extra fields."""
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import SamplingParams
+
+MAX_BODY_BYTES = 32 * 2**20
+# Visible ASCII only: a request id is echoed in a response header, written to logs and used as
+# a key, so it can carry no line break, control character or byte a header cannot hold.
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
+
+
+class BodyError(ValueError):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+async def read_json_object(raw) -> dict:
+    """The request's body as a JSON object; BodyError (413, 400) for anything else."""
+    if int(raw.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise BodyError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    body = await raw.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise BodyError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        # Strict JSON: no NaN/Infinity, no number that overflows a float, no lone surrogate
+        # (nothing a proxy could not encode again for its upstream).
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BodyError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BodyError(400, "request body is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise BodyError(400, "request body must be a JSON object")
+    return data
+
+
+def request_id_of(body_value: object, header_value: str | None, prefix: str) -> str:
+    """The client's request id (body field first, then X-Request-Id), or a new one."""
+    value = body_value if body_value is not None else (header_value or None)
+    if value is None:
+        return random_id(prefix)
+    if not isinstance(value, str) or not _REQUEST_ID.fullmatch(value):
+        raise BodyError(400, "request_id (or X-Request-Id) must be 1-256 visible ASCII characters", "request_id")
+    return value
 
 
 def random_id(prefix: str) -> str:

@@ -18,14 +18,20 @@ import itertools
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from entrypoints.protocol import ChatCompletionRequest, CompletionRequest, document_request_bodies
+from entrypoints.protocol import (
+    BodyError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    document_request_bodies,
+    read_json_object,
+    request_id_of,
+)
 
 logger = logging.getLogger("engine.proxy")
 
@@ -36,8 +42,8 @@ class Upstream:
     in_flight: int = 0
 
 
-def error_response(status: int, message: str, kind: str = "upstream_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+def error_response(status: int, message: str, kind: str = "upstream_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status)
 
 
@@ -107,11 +113,10 @@ class Proxy:
 
     async def handle(self, raw: Request, path: str) -> Response:
         try:
-            body = json.loads(await raw.body())
-            assert isinstance(body, dict)
-        except (json.JSONDecodeError, UnicodeDecodeError, AssertionError):
-            return error_response(400, "request body is not a valid JSON object", "invalid_request_error")
-        request_id = str(body.get("request_id") or raw.headers.get("x-request-id") or f"px-{uuid.uuid4().hex}")
+            body = await read_json_object(raw)
+            request_id = request_id_of(body.get("request_id"), raw.headers.get("x-request-id"), "px")
+        except BodyError as exc:
+            return error_response(exc.status, exc.message, "invalid_request_error", exc.param)
         body["request_id"] = request_id
         headers = self._headers(raw, request_id)
         started = time.monotonic()

@@ -1,13 +1,16 @@
 """A prefill instance, a decode instance and `engine proxy`, as real processes on loopback."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
+from engine.kv_transfer.secret import ENV_VAR, new_secret
 from tests.server_utils import REPO, ServerProcess, free_port
 
 
@@ -19,7 +22,10 @@ class ProxyProcess:
             cmd += ["--prefill", url]
         for url in decode_urls:
             cmd += ["--decode", url]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"engine-proxy-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while True:
@@ -28,7 +34,7 @@ class ProxyProcess:
                 break
             except httpx.HTTPError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("proxy did not start")
+                    raise RuntimeError(f"proxy did not start:\n{self.log_path.read_text()[-3000:]}")
                 time.sleep(0.2)
 
     def stop(self) -> None:
@@ -37,16 +43,21 @@ class ProxyProcess:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 class Disagg:
-    """One P, one D and a proxy in front of them."""
+    """One P, one D and a proxy in front of them, sharing a fresh deployment secret (as
+    `engine disagg` starts them) unless ``secret`` says otherwise (None: no secret)."""
 
-    def __init__(self, model: str, *engine_args: str, prefill_args: tuple = (), decode_args: tuple = ()) -> None:
+    def __init__(self, model: str, *engine_args: str, prefill_args: tuple = (), decode_args: tuple = (),
+                 secret: str | None = "fresh") -> None:
         self.kv_port = free_port()
+        self.secret = new_secret() if secret == "fresh" else secret
+        env = {ENV_VAR: self.secret} if self.secret else {}
         self.prefill = ServerProcess(model, *engine_args, "--role", "prefill", "--kv-port", str(self.kv_port),
-                                     *prefill_args)
-        self.decode = ServerProcess(model, *engine_args, "--role", "decode", *decode_args)
+                                     *prefill_args, env=env)
+        self.decode = ServerProcess(model, *engine_args, "--role", "decode", *decode_args, env=env)
         self.proxy = ProxyProcess([self.prefill.url], [self.decode.url])
         self.url = self.proxy.url
 

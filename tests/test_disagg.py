@@ -4,15 +4,20 @@ blocks may stay held on P or D afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import socket
+import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_transfer.params import token_digest
+from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
+from engine.kv_transfer.secret import KVSecret
 from tests.disagg_utils import Disagg
 from tests.server_utils import ServerProcess, free_port
 
@@ -144,15 +149,28 @@ def test_min_tokens_and_stop_through_the_proxy(pd, colocated):
     assert (choice["text"], choice["finish_reason"]) == (want.text, want.finish_reason)
 
 
+def _signed(params: dict, secret: str, ttl_s: float = 60) -> dict:
+    """``params`` as a prefill instance of the deployment with ``secret`` would sign them."""
+    struct = msgspec.convert({k: v for k, v in params.items() if k not in ("signature", "expires_at")},
+                             KVTransferParams)
+    return msgspec.to_builtins(sign_kv_transfer_params(struct, KVSecret(secret), ttl_s))
+
+
 def test_kv_only_goes_to_its_own_tokens(pd, colocated):
     """FAULTS 27: a client that names another request's KV (its id and address, with a digest of
-    its own prompt) is refused by the prefill instance; D recomputes its own prompt, the victim's
-    KV stays on offer for its real consumer, and nothing foreign enters D's prefix cache."""
+    its own prompt) is refused: at the edge, as the change breaks P's signature; and, should it
+    come signed (an insider, or a deployment without a secret), by the prefill instance, which
+    compares the digest. D recomputes its own prompt, the victim's KV stays on offer for its
+    real consumer, and nothing foreign enters D's prefix cache."""
     victim_prompt, own_prompt = [11] * 40, [12] * 40
     p_resp = httpx.post(f"{pd.prefill.url}/v1/completions", timeout=30, json={
         "prompt": victim_prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     victim = p_resp.json()["kv_transfer_params"]
     forged = {**victim, "token_digest": token_digest(own_prompt)}
+    resp = httpx.post(f"{pd.decode.url}/v1/completions", timeout=30, json={
+        "prompt": own_prompt, "max_tokens": 6, "kv_transfer_params": forged})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params.signature"
+    forged = _signed(forged, pd.secret)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want_own, want_victim = (colocated.generate(p, params, use_tqdm=False)[0].outputs[0].text
                              for p in (own_prompt, victim_prompt))
@@ -168,6 +186,52 @@ def test_kv_only_goes_to_its_own_tokens(pd, colocated):
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 39
 
 
+def test_decode_acts_only_on_signed_params(pd, colocated):
+    """Issue 12: with a deployment secret, D acts only on kv_transfer_params its prefill
+    instances signed. Unsigned, altered, foreign-signed or expired ones are a 400 naming the
+    field, and D never connects to an address a client made up (a listener the test owns sees
+    no connection). Replaying a used signed value is harmless: the KV is gone, D recomputes."""
+    prompt = [21] * 40
+    want = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+
+    def decode(kv_params) -> httpx.Response:
+        return httpx.post(f"{pd.decode.url}/v1/completions", timeout=30, json={
+            "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_transfer_params": kv_params})
+
+    signed = httpx.post(f"{pd.prefill.url}/v1/completions", timeout=30, json={
+        "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    assert len(signed["signature"]) == 64 and signed["expires_at"] > time.time()
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen()
+        trap.setblocking(False)
+        elsewhere = f"tcp://127.0.0.1:{trap.getsockname()[1]}"
+        unsigned = {k: v for k, v in signed.items() if k != "signature"}
+        for bad, param in [
+                (unsigned, "kv_transfer_params.signature"),
+                ({**signed, "remote_kv_addr": elsewhere}, "kv_transfer_params.signature"),
+                ({**signed, "signature": "ab" * 32}, "kv_transfer_params.signature"),
+                ({**signed, "signature": "not hex"}, "kv_transfer_params.signature"),
+                (_signed({**signed, "remote_kv_addr": elsewhere}, "another deployment's secret"),
+                 "kv_transfer_params.signature"),
+                (_signed({**signed, "remote_kv_addr": elsewhere}, pd.secret, ttl_s=-3600),
+                 "kv_transfer_params.expires_at"),
+                ({"kv_store_tokens": 32}, "kv_transfer_params.signature")]:
+            resp = decode(bad)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (bad, resp.text)
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody came
+    failures = pd.decode.status()["kv_transfer"]["failures"]
+    resp = decode(signed)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 39  # the pulled KV
+    pd.decode.wait_idle()
+    resp = decode(signed)  # replayed: P gave that KV away already
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
+    assert pd.decode.status()["kv_transfer"]["failures"] == {**failures, "not_found": failures.get("not_found", 0) + 1}
+
+
 def test_prefill_errors_reach_the_client(pd):
     resp = httpx.post(f"{pd.url}/v1/completions", json={"prompt": "x", "temperature": -1}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
@@ -176,16 +240,19 @@ def test_prefill_errors_reach_the_client(pd):
 
 
 def test_lease_expiry_frees_prefill_blocks(tiny_llama):
+    """Nobody pulls: the blocks stay held until the lease ends, then come back. (The lease has
+    to outlast only one /status call after the response; the release is polled for.)"""
     port = free_port()
     srv = ServerProcess(str(tiny_llama), "--num-blocks", "64", "--role", "prefill", "--kv-port", str(port),
-                        "--kv-lease-s", "1")
+                        "--kv-lease-s", "3")
     try:
         resp = httpx.post(f"{srv.url}/v1/completions", timeout=30, json={
             "prompt": [5] * 40, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         params = resp.json()["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["num_tokens"] == 40
         assert srv.status()["kv_transfer"]["blocks_held"] == 3  # 40 tokens in blocks of 16
-        srv.wait_idle(timeout=5)  # nobody pulled: the lease ends and the blocks come back
+        srv.wait_idle(timeout=20)
+        assert srv.status()["kv_transfer"]["blocks_held"] == 0
     finally:
         srv.stop()
 
@@ -248,23 +315,56 @@ def test_proxy_reports_a_dead_prefill(tiny_llama):
         decode.stop()
 
 
+def _abort_count(server) -> float:
+    for line in server.metrics().splitlines():
+        if line.startswith("engine:request_success_total") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait_for(condition, timeout: float = 30, state=lambda: None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out: {state()}"
+        time.sleep(0.02)
+
+
+def _leave_when(url: str, body: dict, ready, timeout: float = 30) -> None:
+    """Send ``body`` and hang up as soon as ``ready()`` (polled) holds; the request must still
+    be open then."""
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            task = asyncio.ensure_future(http.post(url, json=body))
+            deadline = time.monotonic() + timeout
+            while not await asyncio.to_thread(ready):
+                assert not task.done(), f"the request ended before the client left: {task.result().text[:300]}"
+                assert time.monotonic() < deadline, "the request never reached the state to leave in"
+                await asyncio.sleep(0.02)
+            assert not task.done(), "the request ended before the client left"
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    asyncio.run(run())
+
+
 def test_client_disconnect_through_the_proxy(pd):
-    """FAULTS 9 via the proxy: leaving mid-stream or mid non-stream aborts the request on D, and
-    neither P nor D keeps any block (the autouse check waits for both to be idle)."""
-    with httpx.stream("POST", f"{pd.url}/v1/completions", timeout=30, json={
-            "prompt": "a long answer please", "max_tokens": 600, "stream": True, "ignore_eos": True}) as resp:
+    """FAULTS 9 via the proxy: leaving mid-stream or mid non-stream aborts the request on D
+    (counted once each), and neither P nor D keeps any block (the autouse check waits for both
+    to be idle). The client leaves once D is observably decoding the request, which asks for
+    about 1000 tokens: no client timeout has to be shorter than the generation."""
+    before = _abort_count(pd.decode)
+    body = {"prompt": "a long answer please", "max_tokens": 1000, "ignore_eos": True}
+    decoding = lambda: pd.decode.status()["requests"]["running"] == 1  # noqa: E731
+    with httpx.stream("POST", f"{pd.url}/v1/completions", timeout=30, json={**body, "stream": True}) as resp:
         assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                break
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{pd.url}/v1/completions", timeout=1.0, json={
-            "prompt": "another long answer", "max_tokens": 600, "ignore_eos": True})
+        lines = resp.iter_lines()  # kept: a line iterator that is dropped closes the connection
+        assert next(line for line in lines if line.startswith("data: "))
+        _wait_for(decoding, state=lambda: pd.decode.status()["requests"])
     pd.wait_idle()
-    metrics = pd.decode.metrics()
-    aborts = [line for line in metrics.splitlines()
-              if line.startswith("engine:request_success_total") and 'finished_reason="abort"' in line]
-    assert aborts and float(aborts[0].rsplit(" ", 1)[1]) == 2
+    assert _abort_count(pd.decode) == before + 1
+    _leave_when(f"{pd.url}/v1/completions", body, decoding)
+    pd.wait_idle()
+    assert _abort_count(pd.decode) == before + 2
 
 
 def test_smollm2_p_to_d_equals_colocated(smollm2_dir):
@@ -312,3 +412,30 @@ def test_proxy_skips_a_dead_prefill_and_spreads_load(pd, colocated):
             assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
     finally:
         proxy.stop()
+
+
+def test_small_decode_pool_under_arriving_kv(tiny_llama, colocated):
+    """FAULTS 29 with real processes, the stall from the issue: a decode pool of 24 blocks behind
+    the proxy, 20 concurrent ~100-token prompts with max_tokens 48 (each needs 10 of the 24
+    blocks). KV keeps arriving while the pool is full; every request must finish, exactly."""
+    cluster = Disagg(str(tiny_llama), "--max-model-len", "1024", "--served-model-name", "tiny",
+                     prefill_args=("--num-blocks", "256"), decode_args=("--num-blocks", "24"))
+    try:
+        rng = random.Random(29)
+        prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(90, 110))] for _ in range(20)]
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        expected = [o.outputs[0].text for o in colocated.generate(prompts, params, use_tqdm=False)]
+
+        async def run():
+            client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=180)
+            return await asyncio.gather(*(client.completions.create(
+                model="tiny", prompt=p, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+                for p in prompts))
+
+        results = asyncio.run(run())
+        assert [r.choices[0].text for r in results] == expected
+        assert cluster.decode.status()["num_preemptions"] > 0  # the pool really was too small
+        cluster.wait_idle()
+        assert cluster.decode.status()["requests"]["tracked_by_engine"] == 0
+    finally:
+        cluster.stop()

@@ -1,12 +1,21 @@
 """FAULTS.md 16-18 on real P and D processes. The prefill instance runs with
 ENGINE_ALLOW_KV_FAULTS=1, so a request can ask it to damage its own transfer through the real
-send path: delayed past the deadline, dropped, truncated, duplicated, reordered, or with a
-wrong dtype or shape in the header. The decode instance must reject every damaged frame
-without writing it, then recompute (correct output, failure counted) or fail the request."""
+send path: delayed past the deadline, dropped, truncated, duplicated, reordered, with a wrong
+dtype or shape in the header, or with an optional CRC32 field that does not match its bytes
+(only the injector sets one: real frames carry no checksum, as zmq over TCP and same-host
+memory copies protect the bytes; what is tested is the consumer's check of that field). The
+decode instance must reject every damaged frame without writing it, then recompute (correct
+output, failure counted under its reason) or fail the request. Each damaged request is
+identified by its X-Request-Id, so the decode log shows which check rejected it."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import random
+import re
+import time
+import uuid
 
 import httpx
 import pytest
@@ -37,10 +46,14 @@ def decode(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama) -> str:
-    llm = LLM(str(tiny_llama), num_blocks=128)
-    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].text
+def colocated(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), num_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def expected(colocated) -> str:
+    return colocated.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
 
 
 def _prefill(prefill, fault: str | None) -> dict:
@@ -51,13 +64,23 @@ def _prefill(prefill, fault: str | None) -> dict:
     return resp.json()["kv_transfer_params"]
 
 
-def _decode(decode, params: dict) -> httpx.Response:
-    return httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
+def _decode(decode, params: dict, request_id: str | None = None) -> httpx.Response:
+    return httpx.post(f"{decode.url}/v1/completions", timeout=60, headers=_request_id(request_id), json={
         "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "kv_transfer_params": params})
+
+
+def _request_id(request_id: str | None) -> dict:
+    return {"X-Request-Id": request_id} if request_id else {}
 
 
 def _failures(decode) -> dict:
     return decode.status()["kv_transfer"]["failures"]
+
+
+def _load_failures(server, request_id: str) -> list[str]:
+    """What the consumer logged for each failed KV load of ``request_id``: "<reason>: <the
+    check that failed>"."""
+    return re.findall(rf"KV load of {re.escape(request_id)} from \S+ failed: (.*)", server.log_path.read_text())
 
 
 def test_clean_transfer_is_used(prefill, decode, expected):
@@ -70,17 +93,29 @@ def test_clean_transfer_is_used(prefill, decode, expected):
     decode.wait_idle()
 
 
-@pytest.mark.parametrize("fault, reason", [
-    ("truncate", "frame rejected"), ("reorder", "frame rejected"), ("corrupt", "frame rejected"),
-    ("bad_dtype", "frame rejected"), ("bad_shape", "frame rejected"),
-    ("drop", "timeout"), ("delay=4", "timeout"),
+@pytest.mark.parametrize("fault, failure", [
+    pytest.param("truncate", "frame rejected: truncated", id="truncate"),
+    pytest.param("reorder", "frame rejected: out of order", id="reorder"),
+    # Bits flipped under a CRC32 only the injector sets: the consumer's check of the optional field.
+    pytest.param("corrupt", "frame rejected: corrupt: checksum mismatch", id="optional-crc32-mismatch"),
+    pytest.param("bad_dtype", "frame rejected: bad header: float16", id="bad-dtype"),
+    pytest.param("bad_shape", "frame rejected: bad header: float32", id="bad-shape"),  # the dtype is right
+    pytest.param("drop", "timeout: no KV before the deadline", id="drop"),
+    pytest.param("delay=4", "timeout: no KV before the deadline", id="delay-past-deadline"),
 ])
-def test_damaged_transfer_is_rejected_and_recomputed(prefill, decode, expected, fault, reason):
-    before = _failures(decode).get(reason, 0)
-    resp = _decode(decode, _prefill(prefill, fault))
-    # Recomputed locally: the output is still exactly the colocated one.
+def test_damaged_transfer_is_rejected_and_recomputed(prefill, decode, expected, fault, failure):
+    """Each fault fails the load with its own reason and check (a rejected frame never passes
+    as a timeout, nor a timeout as a rejection), no KV bytes are taken, and the request is
+    recomputed to exactly the colocated output."""
+    before, bytes_before = _failures(decode), decode.status()["kv_transfer"]["bytes"]
+    request_id = f"damaged-{uuid.uuid4().hex[:8]}"
+    resp = _decode(decode, _prefill(prefill, fault), request_id)
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected
-    assert _failures(decode).get(reason, 0) == before + 1
+    reason = failure.split(":")[0]
+    assert _failures(decode) == {**before, reason: before.get(reason, 0) + 1}
+    details = _load_failures(decode, request_id)
+    assert len(details) == 1 and details[0].startswith(failure), details
+    assert decode.status()["kv_transfer"]["bytes"] == bytes_before
     decode.wait_idle()
     prefill.wait_idle(timeout=15)  # sent, dropped or expired: P frees its blocks either way
     # The next clean transfer still lands correctly (no stale state on either side).
@@ -104,17 +139,44 @@ def test_duplicate_frames_are_dropped(prefill, decode, expected):
     decode.wait_idle()
 
 
-def test_late_frames_after_an_abort_are_never_written(prefill, decode, expected):
-    """The decode client leaves while P is still stalling; P's frames arrive after D freed (and
-    possibly reused) the blocks. They must be dropped, and the next request must be correct."""
-    params = _prefill(prefill, "delay=1.5")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{decode.url}/v1/completions", timeout=0.5, json={
-            "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "kv_transfer_params": params})
+def _leave_when(url: str, body: dict, ready, timeout: float = 30) -> None:
+    """Send ``body``, and hang up as soon as ``ready()`` (polled) says the server is where the
+    test wants the request to be. The request must still be open then: no client timeout has
+    to be shorter than the work, only the hang-up has to beat it."""
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            task = asyncio.ensure_future(http.post(url, json=body))
+            deadline = time.monotonic() + timeout
+            while not await asyncio.to_thread(ready):
+                assert not task.done(), f"the request ended before the client left: {task.result().text[:300]}"
+                assert time.monotonic() < deadline, "the request never reached the state to leave in"
+                await asyncio.sleep(0.02)
+            assert not task.done(), "the request ended before the client left"
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    asyncio.run(run())
+
+
+def test_late_frames_after_an_abort_are_never_written(prefill, decode, expected, colocated):
+    """The decode client leaves while its KV load is in flight; P holds the frames back past
+    D's load deadline, so they can only come late. D cancels the load (counted as cancelled,
+    not as a timeout), frees the blocks only then and reuses them; P's frames never land in
+    them: the request that reuses them and the next transfer are both exact."""
+    params = _prefill(prefill, "delay=4")  # D waits 2 s at most (--kv-load-timeout-s)
+    before = _failures(decode)
+    _leave_when(f"{decode.url}/v1/completions",
+                {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "kv_transfer_params": params},
+                lambda: decode.status()["requests"]["waiting_for_remote_kv"] == 1)
     decode.wait_idle()
-    # Fill D's pool with other work while the late frames arrive.
+    assert _failures(decode) == {**before, "cancelled": before.get("cancelled", 0) + 1}
+    # Reuse D's freed blocks for other work while P's frames are still due.
     other = [random.Random(9).randrange(3, 49152) for _ in range(300)]
-    httpx.post(f"{decode.url}/v1/completions", timeout=60, json={"prompt": other, "max_tokens": 4})
+    resp = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
+        "prompt": other, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    want = colocated.generate(other, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
     prefill.wait_idle(timeout=15)
     assert _decode(decode, _prefill(prefill, None)).json()["choices"][0]["text"] == expected
     decode.wait_idle()
@@ -126,6 +188,7 @@ def test_fail_policy_returns_an_error(tiny_llama, prefill):
     try:
         resp = _decode(srv, _prefill(prefill, "drop"))
         assert resp.status_code == 500 and "KV cache load failed" in resp.json()["error"]["message"]
+        assert _failures(srv) == {"timeout": 1}
         srv.wait_idle()
         prefill.wait_idle(timeout=15)
     finally:

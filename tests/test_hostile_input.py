@@ -128,3 +128,14 @@ def test_limits(server, body, param):
 def test_body_too_large(server):
     resp = _post(server, "/v1/completions", json.dumps({"prompt": "x" * (33 * 2**20)}))
     assert resp.status_code == 413
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -2**63])
+def test_extreme_seeds_with_several_samples(server, seed):
+    """Sample i of n uses seed + i, wrapped into the 64-bit range: the largest seed with n=3 is
+    served (found by tests/test_differential.py: it was a 400 naming no field), reproducibly."""
+    body = {"prompt": "x", "max_tokens": 4, "n": 3, "seed": seed, "temperature": 1.0}
+    first, again = _post(server, "/v1/completions", body), _post(server, "/v1/completions", body)
+    assert first.status_code == again.status_code == 200, first.text
+    texts = [c["text"] for c in first.json()["choices"]]
+    assert texts == [c["text"] for c in again.json()["choices"]] and len(texts) == 3

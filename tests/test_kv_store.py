@@ -11,6 +11,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -35,15 +36,15 @@ def _chunk(seed: int) -> torch.Tensor:
 # ---- payloads ------------------------------------------------------------------------------
 def test_payload_roundtrip_and_rejections():
     kv = _chunk(0)
-    data = b"".join(serde.encode(kv, FMT.fingerprint, 16))
-    assert torch.equal(serde.decode(data, FMT.fingerprint, FMT.dtype, list(FMT.shape)), kv)
+    data = b"".join(serde.encode(kv, FMT.fingerprint, 16, "k0"))
+    assert torch.equal(serde.decode(data, FMT.fingerprint, FMT.dtype, list(FMT.shape), "k0"), kv)
     flipped = bytearray(data)
     flipped[-100] ^= 0xFF
     for bad, why in [(data[:-10], "truncated"), (bytes(flipped), "checksum"), (b"junk" * 20, "magic")]:
         with pytest.raises(serde.CorruptPayload, match=why):
-            serde.decode(bad, FMT.fingerprint, FMT.dtype, list(FMT.shape))
+            serde.decode(bad, FMT.fingerprint, FMT.dtype, list(FMT.shape), "k0")
     with pytest.raises(serde.CorruptPayload, match="another model"):
-        serde.decode(data, "model-b:float32:bs4", FMT.dtype, list(FMT.shape))
+        serde.decode(data, "model-b:float32:bs4", FMT.dtype, list(FMT.shape), "k0")
 
 
 def test_store_spec_parsing(tmp_path):
@@ -72,7 +73,7 @@ def test_cpu_store_lru_cap_and_pins():
 
 # ---- disk ----------------------------------------------------------------------------------
 def test_disk_store_survives_restart_and_evicts(tmp_path):
-    size = len(b"".join(serde.encode(_chunk(0), FMT.fingerprint, 16)))
+    size = len(b"".join(serde.encode(_chunk(0), FMT.fingerprint, 16, "k0")))
     store = DiskStore(str(tmp_path), 3 * size, FMT)
     for i in range(4):
         store.put(f"k{i}", _chunk(i))
@@ -161,7 +162,8 @@ def test_redis_down_at_start_then_back(redis_server, caplog):
 
 # ---- the engine ----------------------------------------------------------------------------
 def _prompt(seed: int, n: int) -> list[int]:
-    return [random.Random(seed).randrange(3, 40000) for _ in range(n)]
+    rng = random.Random(seed)
+    return [rng.randrange(3, 40000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +183,8 @@ def test_cpu_tier_serves_prefixes_the_device_cache_evicted(tiny_llama, reference
     assert out.outputs[0].token_ids == reference(prompt)
     assert out.num_cached_tokens == 192  # 6 full chunks; the 7th would include the last prompt token
     stats = llm.engine.runner.connector.store_stats()["cpu"]
-    assert stats["hits"] >= 6 and stats["bytes_loaded"] > 0
+    chunk_bytes = 2 * 2 * 2 * 16 * 2 * 16 * 4  # [layers, k/v, 2 blocks, 16 tokens, 2 kv heads, 16 dims] fp32
+    assert stats["hits"] == 6 and stats["bytes_loaded"] == 6 * chunk_bytes
     # A prompt that shares only part of the prefix loads just the shared chunks.
     branch = prompt[:100] + _prompt(2, 60)
     out = llm.generate([branch], GREEDY, use_tqdm=False)[0]
@@ -386,15 +389,77 @@ def test_a_broken_promise_recomputes_once(tiny_llama, reference):
     llm.shutdown()
 
 
-def test_an_id_held_for_a_transfer_cannot_be_reused(tiny_llama):
+def _abort_during_a_held_load(llm: LLM, prompt: list[int], monkeypatch) -> None:
+    """Request "busy" loads ``prompt``'s chunks from the CPU tier, whose read the test holds
+    open, and is aborted meanwhile: the real path to blocks held for a transfer. Checks what
+    must hold while the load is in flight, lets the read go and steps until the engine is idle."""
     from engine.errors import InvalidRequestError
-    llm = LLM(str(tiny_llama), num_blocks=64)
-    scheduler = llm.engine.scheduler
-    scheduler.held["busy"] = object()  # a finished request whose blocks a transfer still reads
-    with pytest.raises(InvalidRequestError, match="still in use"):
-        llm.engine.add_request("busy", [5, 6, 7], GREEDY)
-    del scheduler.held["busy"]
-    assert not llm.engine.has_unfinished_requests()
+    engine = llm.engine
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # its whole chunks are now in the CPU tier
+    engine.kv_cache_manager.pool.reset_prefix_cache()  # so the next request loads them
+    store = engine.runner.connector.tiers.stores[0]
+    reading, release = threading.Event(), threading.Event()
+    get = store.get
+
+    def held_get(key: str):
+        reading.set()
+        release.wait(30)
+        return get(key)
+    monkeypatch.setattr(store, "get", held_get)
+    deadline = time.monotonic() + 30
+    try:
+        engine.add_request("busy", prompt, GREEDY)
+        while not reading.is_set():  # admitted, its chunks found and pinned, the load started
+            engine.step()
+            assert time.monotonic() < deadline, "the load never started"
+        engine.abort_request("busy")
+        # Its blocks stay held until the loader lets go (late bytes must not land in reused
+        # blocks), and its id with them: reusing it now would hand the new request the old blocks.
+        with pytest.raises(InvalidRequestError, match="still in use"):
+            engine.add_request("busy", [5, 6, 7], GREEDY)
+        assert engine.has_unfinished_requests() and engine.scheduler.num_waiting == 0
+    finally:
+        release.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert time.monotonic() < deadline, "the cancelled load never ended"
+    monkeypatch.undo()
+    assert_engine_idle(llm)
+
+
+def _run(llm: LLM, req_id: str, prompt: list[int]):
+    llm.engine.add_request(req_id, prompt, GREEDY)
+    outputs, deadline = [], time.monotonic() + 30
+    while llm.engine.has_unfinished_requests():
+        outputs += [o for o in llm.engine.step() if o.finished]
+        assert time.monotonic() < deadline
+    assert [o.request_id for o in outputs] == [req_id]
+    return outputs[0]
+
+
+def test_an_id_held_for_a_transfer_cannot_be_reused(tiny_llama, reference, monkeypatch):
+    """A request aborted while its KV loads from a tier: its id is refused until the loader has
+    let go of the blocks, and serves a new request (exactly) afterwards."""
+    llm = LLM(str(tiny_llama), num_blocks=64, kv_store="cpu:64MiB", kv_chunk_tokens=32)
+    prompt = _prompt(15, 100)
+    _abort_during_a_held_load(llm, prompt, monkeypatch)
+    assert _run(llm, "busy", prompt).outputs[0].token_ids == reference(prompt)
+    assert_engine_idle(llm)
+    llm.shutdown()
+
+
+def test_a_load_cancelled_by_an_abort_leaves_nothing_behind(tiny_llama, reference, monkeypatch):
+    """The cancelled load of an ended request leaves no state behind in the connector: the id,
+    once free, is a new request that looks up the tiers like any other."""
+    llm = LLM(str(tiny_llama), num_blocks=64, kv_store="cpu:64MiB", kv_chunk_tokens=32)
+    prompt = _prompt(16, 100)
+    _abort_during_a_held_load(llm, prompt, monkeypatch)
+    try:
+        assert llm.engine.num_tracked_requests() == 0
+        out = _run(llm, "busy", prompt)  # the id is new again: it loads from the tier like any other
+        assert out.outputs[0].token_ids == reference(prompt) and out.num_cached_tokens == 96
+    finally:
+        llm.shutdown()
 
 
 # ---- lookups never run on the step thread (FAULTS 31) --------------------------------------
@@ -405,9 +470,12 @@ class _SlowCPUStore(CPUStore):
     def __init__(self, delay: float) -> None:
         super().__init__(2**30, FMT)
         self.delay = delay
+        self.gate: threading.Event | None = None  # when set: checks wait for it (a hanging backend)
         self.num_contains = self.num_pinned = self.num_unpinned = 0
 
     def contains(self, keys: list[str]) -> list[bool]:
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never let the store answer"
         time.sleep(self.delay)
         found = super().contains(keys)
         self.num_contains += 1
@@ -460,7 +528,8 @@ def _wait_for(condition, timeout: float = 5.0) -> None:
 def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
     from engine.outputs import KVConnectorOutput
     from tests.scheduler_utils import make_request
-    sched, worker, store, step = _connector_halves(delay=0.8, lookup_timeout_s=0.2)
+    sched, worker, store, step = _connector_halves(delay=0.0, lookup_timeout_s=0.2)
+    store.gate = threading.Event()  # the store answers only when the test says so
     try:
         a = make_request("a", 70)  # chunks 0-3 can come from outside (chunk 4 holds the last token)
         _store_chunks(store, a, 4)
@@ -473,13 +542,15 @@ def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
         while (match := sched.get_num_new_matched_tokens(a, 0)) is None:
             meta, _ = step()
             assert not meta.lookups  # asked once per admission, not once per step
+            assert time.monotonic() - start < 10, "the scheduler waits on the store"
             time.sleep(0.01)
-        # The deadline passed before the 0.8 s store answered: a miss for this admission.
-        assert match == (0, False) and 0.2 <= time.monotonic() - start < 0.7
+        # The deadline passed and the store has not answered: a miss for this admission.
+        assert match == (0, False) and time.monotonic() - start >= 0.2 and store.num_contains == 0
         assert sched.lookup_timeouts == 1
         assert step()[0].releases == ["a"]  # the worker drops it: what it finds is unpinned
         # The worker's lookup ends late: it posts nothing and unpins what it found; any late
         # answer would be ignored.
+        store.gate.set()
         _wait_for(lambda: store.num_contains == 1 and store.num_unpinned == 4)
         assert store.num_pinned == 4 and not store._pins
         assert step()[1].lookups == {}
@@ -489,7 +560,7 @@ def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
             assert not step()[0].lookups
         assert store.num_contains == 1 and store.stats.misses == 0
         # Misses count once per lookup: b's 4 chunks are nowhere, however many steps it waits.
-        store.delay, sched.lookup_timeout_s = 0.0, 5.0
+        sched.lookup_timeout_s = 5.0
         b = make_request("b", 70)
         assert sched.get_num_new_matched_tokens(b, 0) is None
         step()
@@ -508,6 +579,7 @@ def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
         assert sched.num_tracked_requests() == 0
         _wait_for(lambda: not store._pins)
     finally:
+        store.gate.set()
         worker.shutdown()
 
 

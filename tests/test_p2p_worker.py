@@ -15,7 +15,9 @@ import torch
 import zmq
 
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec, SendSpec, ipc_path
-from engine.kv_transfer.p2p_wire import Hello, HelloReply, Pull, decode, encode
+from engine.kv_transfer.p2p_wire import (
+    NO_AUTH_SECRET, NONCE_BYTES, Auth, Challenge, Hello, HelloReply, Pull, SessionTag, decode, encode, proof,
+)
 from engine.kv_transfer.p2p_worker import P2PConnectorWorker
 from tests.server_utils import free_port
 
@@ -41,6 +43,61 @@ def producer():
 
 def _consumer() -> P2PConnectorWorker:
     return _consumer_of(SHAPE)
+
+
+class RawPeer:
+    """A consumer socket driven by hand, message by message: a test's stand-in for a consumer,
+    or an attacker's. ``replies`` keeps the raw bytes of everything it received."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, routing_id: bytes | None = None, **options) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        for name, value in options.items():
+            self.sock.setsockopt(getattr(zmq, name), value)
+        self.sock.connect(addr)
+        self.session: SessionTag | None = None
+        self.replies: list[bytes] = []
+
+    def handshake(self, secret=None, fingerprint: str = "fp"):
+        """Hello, then Auth; the reply to Auth."""
+        self.hello()
+        return self.auth(secret, fingerprint)
+
+    def hello(self) -> Challenge:
+        self.nonce = os.urandom(NONCE_BYTES)
+        self.send_raw(encode(Hello(self.nonce)))
+        self.challenge = self.recv()
+        assert isinstance(self.challenge, Challenge), self.challenge
+        return self.challenge
+
+    def auth(self, secret=None, fingerprint: str = "fp"):
+        """Auth with a proof under ``secret`` (the producer's proof is not checked, as an attacker
+        would not), and from now on tag messages with the session this peer believes in."""
+        secret = secret or NO_AUTH_SECRET
+        self.send_raw(encode(Auth(proof(secret, b"consumer", self.nonce, self.challenge.nonce), fingerprint)))
+        self.session = SessionTag(secret, self.nonce, self.challenge.nonce)
+        return self.recv()
+
+    def send(self, msg) -> list[bytes]:
+        """``msg`` tagged by this peer's session (or by a made-up tag before it has one); the frames sent."""
+        body = encode(msg)
+        frames = [body, self.session.next(body) if self.session else os.urandom(32)]
+        self.send_raw(*frames)
+        return frames
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 5):
+        assert self.sock.poll(int(timeout * 1000)), "no reply"
+        frames = self.sock.recv_multipart()
+        self.replies += frames
+        return decode(frames[0])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
 
 
 def _consumer_of(shape) -> P2PConnectorWorker:
@@ -225,19 +282,13 @@ def _big_producer(monkeypatch) -> P2PConnectorWorker:
     return worker
 
 
-def _stalled_peer(ctx: zmq.Context, addr: str) -> zmq.Socket:
+def _stalled_peer(ctx: zmq.Context, addr: str) -> RawPeer:
     """A consumer that handshakes, then never reads: its zmq queue holds one message and its
     kernel buffer a few KiB, so the producer's frames back up."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVHWM, 1)
-    sock.setsockopt(zmq.RCVBUF, 4096)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
-    sock.send(encode(Hello("fp")))
-    assert sock.poll(5000), "no HelloReply"
-    reply = decode(sock.recv())
+    peer = RawPeer(ctx, addr, RCVHWM=1, RCVBUF=4096)
+    reply = peer.handshake()
     assert isinstance(reply, HelloReply) and reply.ok
-    return sock
+    return peer
 
 
 class _Finished:
@@ -276,7 +327,7 @@ def test_stalled_consumer_blocks_nobody(monkeypatch):
         stalled = _stalled_peer(ctx, addr)
         producer.start_load_kv(P2PMetadata(sends=[SendSpec("stuck", list(range(256)), 256 * 16,
                                                            time.monotonic() + 60, "tokens")]))
-        stalled.send(encode(Pull("t-stuck", "stuck", 0, 256, "tokens")))
+        stalled.send(Pull("t-stuck", "stuck", 0, 256, "tokens"))
         _wait_until_stalled(producer)  # every buffer between the producer and the stalled peer is full
         assert producer.stats["bytes_sent"] < 32 * MiB, "the peer did not stall: make BIG_SHAPE bigger"
         assert "stuck" not in producer.get_finished().finished_sending
@@ -300,7 +351,7 @@ def test_stalled_consumer_blocks_nobody(monkeypatch):
 
         # Its consumer leaves: the producer abandons the transfer and frees the blocks.
         closed_at = time.monotonic()
-        stalled.close(linger=0)
+        stalled.close()
         finished.wait("stuck", closed_at + 5)
         out = _transfer(producer, consumer, "after", list(range(64)), list(range(64)), addr)
         assert out.finished_recving == {"after"}, out.failure_reasons
@@ -322,10 +373,10 @@ def test_stall_limit_abandons_a_consumer_that_stays_connected(monkeypatch):
     try:
         stalled = [_stalled_peer(ctx, addr) for _ in range(4)]  # as many as there are transfer slots
         start = time.monotonic()
-        for i, sock in enumerate(stalled):
+        for i, peer in enumerate(stalled):
             producer.start_load_kv(P2PMetadata(sends=[SendSpec(f"stuck{i}", list(range(256)), 256 * 16,
                                                                start + 60, "tokens")]))
-            sock.send(encode(Pull(f"t{i}", f"stuck{i}", 0, 256, "tokens")))
+            peer.send(Pull(f"t{i}", f"stuck{i}", 0, 256, "tokens"))
         for i in range(4):
             finished.wait(f"stuck{i}", start + 1.0 + 5)
         assert producer.stats["abandoned_sends"] == 4
@@ -338,28 +389,22 @@ def test_stall_limit_abandons_a_consumer_that_stays_connected(monkeypatch):
         ctx.destroy(linger=0)
 
 
-def test_oversized_and_undecodable_messages_are_dropped(producer):
+def test_an_undecodable_message_from_an_authenticated_peer_is_dropped(producer):
+    """Dropped and counted, and the peer's session goes on (its tag counted it in sequence)."""
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{producer.port}")
-    consumer = _consumer()
+    peer = RawPeer(ctx, f"tcp://127.0.0.1:{producer.port}")
     try:
-        # A well-formed Hello, but 1 MiB: zmq drops it (and the connection) before it is read.
-        sock.send(encode(Hello("x" * MiB)))
-        assert not sock.poll(1000), "an oversized message was answered"
-        before = producer.stats["dropped_messages"]
-        sock.send(b"\xc1 not msgpack")
+        assert peer.handshake().ok
+        peer.send_raw(b"\xc1 not msgpack", peer.session.next(b"\xc1 not msgpack"))
         deadline = time.monotonic() + 5
-        while producer.stats["dropped_messages"] == before:
+        while producer.stats["dropped_messages"] == 0:
             assert time.monotonic() < deadline, "the undecodable message was not counted"
             time.sleep(0.01)
-        sock.send(encode(Hello("fp")))  # the same peer is still served
-        assert sock.poll(5000)
-        assert decode(sock.recv()).ok
-        out = _transfer(producer, consumer, "r", list(range(7)), list(range(7)), f"tcp://127.0.0.1:{producer.port}")
-        assert out.finished_recving == {"r"}, out.failure_reasons
+        producer.start_load_kv(P2PMetadata(sends=[SendSpec("r", [0, 1, 2], 12, time.monotonic() + 30, "tokens")]))
+        peer.send(Pull("t", "r", 0, 3, "tokens"))
+        reply = peer.recv()
+        assert reply.status == "ok" and reply.num_blocks == 3, reply
+        assert producer.auth_failures() == {}
     finally:
-        consumer.shutdown()
-        sock.close(linger=0)
-        ctx.term()
+        peer.close()
+        ctx.destroy(linger=0)

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import KVConnectorScheduler
-from engine.outputs import KVConnectorOutput, SchedulerOutput
+from engine.outputs import KVConnectorOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

@@ -99,6 +99,11 @@ class KVConnectorWorker(ABC):
         """(bytes moved so far, failures by reason so far, durations since the last call)."""
         return 0, {}, []
 
+    def auth_failures(self) -> dict[str, int]:
+        """Messages a KV server refused from peers that did not prove the deployment secret,
+        by reason, since start."""
+        return {}
+
     def store_stats(self) -> dict[str, dict]:
         """Per KV store tier: hits, misses, bytes_stored, bytes_loaded, used_bytes (totals so
         far) and load_seconds (since the last call)."""

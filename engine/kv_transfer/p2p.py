@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from engine.config import KVTransferConfig
 from engine.kv_transfer.base import KVConnectorScheduler
-from engine.kv_transfer.params import KVTransferParams, token_digest
+from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
+from engine.kv_transfer.secret import KVSecret
 from engine.outputs import SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -87,8 +88,9 @@ class P2PMetadata:
 
 class P2PConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, engine_id: str, advertised_addr: str | None,
-                 block_size: int) -> None:
+                 block_size: int, secret: KVSecret | None = None) -> None:
         self.engine_id = engine_id
+        self.secret = secret  # signs the kv_transfer_params handed out
         self.advertised_addr = advertised_addr  # None on an instance that does not serve KV
         self.block_size = block_size
         self.load_failure_policy = config.kv_load_failure_policy
@@ -171,9 +173,10 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         digest = token_digest(request.prompt_token_ids)
         self._meta.sends.append(SendSpec(req_id, block_ids[:num_blocks], num_tokens,
                                          time.monotonic() + self.lease_s, digest, fault))
-        return True, KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
-                                      remote_kv_addr=self.advertised_addr, remote_host_id=host_id(),
-                                      remote_request_id=req_id, num_tokens=num_tokens, token_digest=digest)
+        return True, sign_kv_transfer_params(KVTransferParams(
+            do_remote_prefill=True, remote_engine_id=self.engine_id, remote_kv_addr=self.advertised_addr,
+            remote_host_id=host_id(), remote_request_id=req_id, num_tokens=num_tokens, token_digest=digest),
+            self.secret, self.lease_s)
 
     def num_tracked_requests(self) -> int:
         return len(self._loading) + len(self._consumed)

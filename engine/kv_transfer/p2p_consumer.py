@@ -8,6 +8,12 @@ too); anything else (late, duplicate, reordered, truncated frames, or frames for
 transfer) is dropped. A failed peer socket is closed and re-created, so stale state never
 survives into the next handshake.
 
+Authentication (``p2p_wire``): a peer is sent nothing about us or our requests until it has
+proved it holds the deployment secret, and a peer that cannot, or that refuses our proof, fails
+the load as ``auth``. With ``encrypt`` every socket is a CURVE client (keys derived from the
+secret); a failed transport handshake (one side encrypts, the other not, or other secrets) is
+seen on a socket monitor and fails the load at once, as ``auth`` too.
+
 Same host: the consumer maps the producer's shared-memory KV file and, when lent the blocks
 (``ShmGrant``), copies them straight into its own (one memcpy, no socket bytes), then returns the
 loan (``ShmDone``); ``ShmAck(ok=False)`` means the lease ended meanwhile and the copy is discarded.
@@ -21,23 +27,40 @@ import threading
 import time
 import uuid
 import zlib
+from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.kv_transfer.base import contiguous_runs
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec
 from engine.kv_transfer.p2p_wire import (
-    FRAME_SLACK_BYTES, Chunk, ChunkLayout, Hello, HelloReply, Pull, Release, ShmAck, ShmDone, ShmGrant,
-    decode, encode,
+    FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, Auth, Challenge, Chunk, ChunkLayout, Hello, HelloReply, Pull,
+    Refused, Release, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage, curve_keys, decode, encode, proof,
+    proof_ok,
 )
+from engine.kv_transfer.secret import KVSecret
 
 logger = logging.getLogger("engine.kv_transfer")
 
 NUM_PULLERS = 4
+# Transport handshake failures: a CURVE/plain mismatch (PROTOCOL), or CURVE keys of another
+# secret (NO_DETAIL: the producer cannot read our hello and hangs up).
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
-# A connected peer: its socket, and its shared KV tensor when it lends blocks on this host.
-Peer = tuple[zmq.Socket, torch.Tensor | None]
+
+@dataclass(slots=True)
+class Peer:
+    """An authenticated producer: our socket to it, its shared KV tensor when it lends blocks on
+    this host, and the session that tags everything we send it."""
+    sock: zmq.Socket
+    kv: torch.Tensor | None
+    session: SessionTag
+
+    def send(self, msg: WireMessage) -> None:
+        body = encode(msg)
+        self.sock.send_multipart([body, self.session.next(body)])
 
 
 class P2PConsumer:
@@ -45,9 +68,10 @@ class P2PConsumer:
     with the producer of the same worker; everything else here is the consumer's own."""
 
     def __init__(self, ctx: zmq.Context, lock: threading.Lock, stats: dict, fingerprint: str,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, secret: KVSecret | None, encrypt: bool) -> None:
         self._ctx, self._lock, self.stats = ctx, lock, stats
         self.fingerprint = fingerprint
+        self._secret, self._encrypt = secret or NO_AUTH_SECRET, encrypt
         self.chunk_bytes = chunk_bytes
         self.kv: torch.Tensor | None = None
         self._done_recving: set[str] = set()
@@ -105,7 +129,7 @@ class P2PConsumer:
                         if peer is None:
                             continue
                         peers[addr] = peer
-                    peers[addr][0].send(encode(Release(job.remote_request_id, job.token_digest)))
+                    peers[addr].send(Release(job.remote_request_id, job.token_digest))
                     continue
                 error = self._load(job, peers)
                 with self._lock:
@@ -121,29 +145,54 @@ class P2PConsumer:
                     logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
                     peer = peers.pop(job.remote_addr, None)
                     if peer is not None:  # drop anything queued or in flight on it
-                        peer[0].close(linger=0)
+                        peer.sock.close(linger=0)
         finally:
-            for sock, _ in peers.values():
-                sock.close(linger=0)
+            for peer in peers.values():
+                peer.sock.close(linger=0)
 
     def _connect(self, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
-        """(socket, the peer's shared KV tensor or None), or an error."""
+        """An authenticated peer, or an error."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Chunk frames are the largest thing a producer sends; zmq drops the connection of a
         # peer that sends more (the transfer then fails by its deadline), so a broken or
         # hostile peer cannot make us allocate without bound.
         sock.setsockopt(zmq.MAXMSGSIZE, self.layout.slot_bytes + FRAME_SLACK_BYTES)
-        sock.connect(addr)
-        sock.send(encode(Hello(self.fingerprint)))
-        reply = self._recv(sock, deadline, lambda m: isinstance(m, HelloReply))
-        if isinstance(reply, str):
+        # The producer sends replies and KV to whichever connection holds our routing id, and a
+        # new one may claim it the moment ours is gone (while sends to us may still be under
+        # way). zmq's own ids are a counter; this one cannot be guessed (it is seen only on the
+        # path, in the clear unless encrypted).
+        sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+        if self._encrypt:
+            sock.curve_serverkey = curve_keys(self._secret, "server")[0]
+            sock.curve_publickey, sock.curve_secretkey = curve_keys(self._secret, "client")
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # watched until the handshake is done
+        try:
+            sock.connect(addr)
+            peer, error = self._handshake(sock, monitor, addr, deadline)
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        if peer is None:
             sock.close(linger=0)
+        return peer, error
+
+    def _handshake(self, sock, monitor, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
+        nonce_c = os.urandom(NONCE_BYTES)
+        sock.send(encode(Hello(nonce_c)))
+        challenge = self._recv(sock, deadline, lambda m: isinstance(m, Challenge), monitor=monitor)
+        if isinstance(challenge, str):
+            return None, f"{challenge} (handshake with {addr})"
+        # Nothing about us (not even our fingerprint) goes to a peer that cannot prove it holds the secret.
+        if not proof_ok(self._secret, challenge.proof, b"producer", nonce_c, challenge.nonce):
+            return None, f"auth: the KV peer at {addr} does not hold our KV secret"
+        sock.send(encode(Auth(proof(self._secret, b"consumer", nonce_c, challenge.nonce), self.fingerprint)))
+        reply = self._recv(sock, deadline, lambda m: isinstance(m, HelloReply), monitor=monitor)
+        if isinstance(reply, str):
             return None, f"{reply} (handshake with {addr})"
         if not reply.ok:
-            sock.close(linger=0)
             return None, f"incompatible: {reply.message}"
-        return (sock, self._map_peer_kv(addr, reply)), None
+        return Peer(sock, self._map_peer_kv(addr, reply), SessionTag(self._secret, nonce_c, challenge.nonce)), None
 
     def _map_peer_kv(self, addr: str, reply: HelloReply) -> torch.Tensor | None:
         if not (addr.startswith("ipc://") and reply.shm_path and os.path.exists(reply.shm_path)):
@@ -160,8 +209,9 @@ class P2PConsumer:
             logger.warning("cannot map %s (%s); using the socket path", reply.shm_path, exc)
             return None
 
-    def _recv(self, sock, deadline: float, accept, req_id: str | None = None):
-        """The next accepted message (with its raw frames), or an error string."""
+    def _recv(self, sock, deadline: float, accept, req_id: str | None = None, monitor=None):
+        """The next accepted message (with its raw frames), or an error string. ``Refused`` ends
+        it: the producer does not take us for authenticated (any more)."""
         while True:
             if req_id is not None and req_id in self._cancelled:
                 return "cancelled: the request ended"
@@ -170,6 +220,10 @@ class P2PConsumer:
                 return "timeout: no KV before the deadline"
             if self._stop.is_set():
                 return "shutdown"
+            if monitor is not None and monitor.poll(0):
+                event = zmq.Event(recv_monitor_message(monitor)["event"]).name
+                return (f"auth: the transport handshake failed ({event}): the peers must agree on --kv-encrypt "
+                        "and hold the same KV secret")
             if not sock.poll(min(50, int(remaining * 1000) + 1)):
                 continue
             frames = sock.recv_multipart(copy=False)
@@ -179,6 +233,8 @@ class P2PConsumer:
                     self.stats["dropped_messages"] += 1
                 logger.warning("dropped an undecodable KV message")
                 continue
+            if isinstance(msg, Refused):
+                return f"auth: the KV peer refused us ({msg.message})"
             if accept(msg):
                 return (msg, frames) if req_id is not None else msg
 
@@ -191,19 +247,19 @@ class P2PConsumer:
             if peer is None:
                 return error
             peers[addr] = peer
-        sock, peer_kv = peer
         transfer_id = uuid.uuid4().hex
         start = time.perf_counter()
-        sock.send(encode(Pull(transfer_id, job.remote_request_id, job.start_block, len(job.block_ids),
-                              job.token_digest, shm=peer_kv is not None)))
-        got = self._recv(sock, job.deadline, lambda m: getattr(m, "transfer_id", None) == transfer_id, job.req_id)
+        peer.send(Pull(transfer_id, job.remote_request_id, job.start_block, len(job.block_ids),
+                       job.token_digest, shm=peer.kv is not None))
+        got = self._recv(peer.sock, job.deadline, lambda m: getattr(m, "transfer_id", None) == transfer_id,
+                         job.req_id)
         if isinstance(got, str):
             return got
         first, frames = got
         if isinstance(first, ShmGrant):
-            error = self._copy_shm(sock, peer_kv, job, transfer_id, first)
+            error = self._copy_shm(peer, job, transfer_id, first)
         elif isinstance(first, Chunk):  # the producer chose the socket path
-            error = self._receive_chunks(sock, job, transfer_id, first, frames)
+            error = self._receive_chunks(peer.sock, job, transfer_id, first, frames)
         else:
             error = f"frame rejected: unexpected {type(first).__name__}"
         if error is None:
@@ -213,12 +269,12 @@ class P2PConsumer:
                 self.stats["seconds"].append(time.perf_counter() - start)
         return error
 
-    def _copy_shm(self, sock, peer_kv: torch.Tensor, job: LoadSpec, transfer_id: str, grant: ShmGrant) -> str | None:
-        if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer_kv.shape[2]:
+    def _copy_shm(self, peer: Peer, job: LoadSpec, transfer_id: str, grant: ShmGrant) -> str | None:
+        if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer.kv.shape[2]:
             return "frame rejected: bad shared-memory grant"
-        self._copy_blocks(peer_kv, grant.block_ids, job.block_ids)
-        sock.send(encode(ShmDone(transfer_id, job.remote_request_id)))
-        got = self._recv(sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
+        self._copy_blocks(peer.kv, grant.block_ids, job.block_ids)
+        peer.send(ShmDone(transfer_id, job.remote_request_id))
+        got = self._recv(peer.sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
                          job.req_id)
         if isinstance(got, str):
             return got

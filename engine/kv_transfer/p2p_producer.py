@@ -10,6 +10,14 @@ hold up other pulls, releases, shared-memory acks or lease expiry. Every send is
 a vanished peer raises ``EHOSTUNREACH``), and every socket transfer is a small state machine
 (``_SocketSend``) that the loop advances a step per round, so transfers interleave.
 
+Authentication (the handshake is in ``p2p_wire``): a peer gets nothing but a ``Challenge`` or a
+``Refused`` until it has proved it holds the deployment secret; until then it learns no
+fingerprint, engine id or shared-memory path, and none of its messages touches the lookup
+buffer. What a stranger can make the serve thread hold is bounded: ``MAX_CHALLENGES`` open
+challenges and ``MAX_SESSIONS`` sessions (oldest first out), and replies to peers without a
+session are sent once, never queued. With ``encrypt`` the socket is a CURVE server (tcp and
+ipc alike), with keys derived from the secret.
+
 Same host: when the worker placed the KV tensor in a /dev/shm file, a same-host consumer is
 lent the blocks (``ShmGrant``) instead of sent them; the loan ends with its ``ShmDone`` or the
 lease.
@@ -23,9 +31,10 @@ the KV budget); further pulls wait in FIFO order.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +42,11 @@ import zmq
 
 from engine.kv_transfer.p2p import SendSpec, ipc_path
 from engine.kv_transfer.p2p_wire import (
-    DEFAULT_CHUNK_BYTES, FRAME_SLACK_BYTES, PROTOCOL_VERSION, Chunk, ChunkLayout, Hello, HelloReply, Pull,
-    Release, ShmAck, ShmDone, ShmGrant, WireMessage, _inject_fault, decode, encode, fault_delay,
+    DEFAULT_CHUNK_BYTES, FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, PROTOCOL_VERSION, Auth, Challenge, Chunk,
+    ChunkLayout, Hello, HelloReply, Pull, Refused, Release, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage,
+    _inject_fault, curve_keys, decode, encode, fault_delay, proof, proof_ok,
 )
+from engine.kv_transfer.secret import KVSecret
 
 logger = logging.getLogger("engine.kv_transfer")
 
@@ -44,6 +55,8 @@ STAGING_BYTES = 2 * MAX_SOCKET_SENDS * DEFAULT_CHUNK_BYTES
 STALL_S = 10.0  # a socket transfer whose consumer takes nothing for this long is abandoned
 REPLY_RETRY_S = 5.0  # how long a control reply waits for room in a slow peer's queue
 MAX_MESSAGES_PER_ROUND = 64  # control messages taken per round, so transfers keep moving
+MAX_CHALLENGES = 1024  # open handshakes; a stranger's flood pushes out the oldest, never grows memory
+MAX_SESSIONS = 4096  # authenticated peers; the least recently heard from (long gone, mostly) drops out
 
 
 @dataclass(slots=True)
@@ -86,9 +99,10 @@ class P2PProducer:
     consumer of the same worker; the transfer state belongs to the serve thread alone."""
 
     def __init__(self, ctx: zmq.Context, lock: threading.Lock, stats: dict, engine_id: str, fingerprint: str,
-                 bind_ip: str | None, port: int, chunk_bytes: int) -> None:
+                 bind_ip: str | None, port: int, chunk_bytes: int, secret: KVSecret | None, encrypt: bool) -> None:
         self._ctx, self._lock, self.stats = ctx, lock, stats
         self.engine_id, self.fingerprint = engine_id, fingerprint
+        self._secret, self._encrypt = secret or NO_AUTH_SECRET, encrypt
         self.bind_ip, self.port, self.chunk_bytes = bind_ip, port, chunk_bytes
         self.stall_s = STALL_S
         self.shm_path = ""
@@ -98,6 +112,8 @@ class P2PProducer:
         self._lent: dict[str, tuple[SendSpec, str, int]] = {}  # request id -> (entry, transfer id, blocks)
         self._done_sending: set[str] = set()
         # The serve thread's own:
+        self._challenges: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # identity -> (nonce_c, nonce_p)
+        self._sessions: OrderedDict[bytes, SessionTag] = OrderedDict()  # identity -> its authenticated session
         self._waiting: deque[_SocketSend] = deque()  # pulls waiting for staging, first come first served
         self._active: list[_SocketSend] = []
         self._free: list[_Slot] = []  # slots of no active transfer (maybe still draining)
@@ -151,6 +167,12 @@ class P2PProducer:
         # Only small control messages come in; zmq drops the connection of a peer that sends
         # a bigger frame, before it is ever allocated here.
         sock.setsockopt(zmq.MAXMSGSIZE, FRAME_SLACK_BYTES)
+        # The default, stated: a connection that claims the routing id of a connected peer is
+        # not let in (handing over would give it that peer's replies).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        if self._encrypt:  # on every endpoint of this socket
+            sock.curve_secretkey = curve_keys(self._secret, "server")[1]
+            sock.curve_server = True
         try:
             sock.bind(f"tcp://{self.bind_ip}:{self.port}")
             sock.bind(ipc_path(self.port))
@@ -189,26 +211,88 @@ class P2PProducer:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            msg = decode(frames[1]) if len(frames) == 2 else None
-            if msg is None or isinstance(msg, (HelloReply, ShmGrant, ShmAck, Chunk)):
-                with self._lock:
-                    self.stats["dropped_messages"] += 1
-                logger.warning("dropped a malformed KV control message (%d frames)", len(frames) - 1)
-                continue
             try:
-                self._handle(frames[0], msg)
+                msg = self._admit(frames)
+                if isinstance(msg, (Hello, Auth)):
+                    self._handshake(frames[0], msg)
+                elif msg is not None:
+                    self._handle(frames[0], msg)
             except Exception:  # one bad message never stops the server
-                logger.exception("KV control message %s failed", type(msg).__name__)
+                logger.exception("KV control message failed")
         return True
 
-    def _handle(self, identity: bytes, msg: WireMessage) -> None:
+    # ---- authentication (serve thread) ---------------------------------------------------------
+    def _admit(self, frames: list[bytes]) -> WireMessage | None:
+        """The message in ``frames`` if its peer may send it: a handshake message (untagged), or
+        a request tagged by the peer's session. Anything else is refused; None then."""
+        identity = frames[0]
+        if len(frames) == 2:
+            msg = decode(frames[1])
+            if isinstance(msg, (Hello, Auth)):
+                return msg
+        elif len(frames) == 3:
+            session = self._sessions.get(identity)
+            if session is not None and session.check(frames[1], frames[2]):
+                self._sessions.move_to_end(identity)
+                msg = decode(frames[1])
+                if isinstance(msg, (Pull, Release, ShmDone)):
+                    return msg
+                with self._lock:  # an authenticated peer's bug, not an attack: dropped as before
+                    self.stats["dropped_messages"] += 1
+                logger.warning("dropped a malformed KV control message")
+                return None
+        self._refuse(identity, "unauthenticated")
+        return None
+
+    def _handshake(self, identity: bytes, msg: Hello | Auth) -> None:
         if isinstance(msg, Hello):
-            ok = msg.fingerprint == self.fingerprint and msg.version == PROTOCOL_VERSION
-            message = "" if ok else (f"incompatible KV peer: theirs {msg.fingerprint} (v{msg.version}), "
-                                     f"ours {self.fingerprint} (v{PROTOCOL_VERSION})")
-            self._reply(identity, HelloReply(ok, self.engine_id, self.fingerprint, message, self.shm_path,
-                                             list(self.kv.shape) if self.shm_path else []))
-        elif isinstance(msg, Pull):
+            if len(msg.nonce) != NONCE_BYTES:
+                self._refuse(identity, "unauthenticated")
+                return
+            self._sessions.pop(identity, None)  # a new handshake ends the old session
+            nonce_p = os.urandom(NONCE_BYTES)
+            self._challenges.pop(identity, None)
+            self._challenges[identity] = (msg.nonce, nonce_p)
+            if len(self._challenges) > MAX_CHALLENGES:
+                self._challenges.popitem(last=False)
+            self._send_once(identity, Challenge(nonce_p, proof(self._secret, b"producer", msg.nonce, nonce_p)))
+            return
+        nonces = self._challenges.pop(identity, None)
+        if nonces is None or not proof_ok(self._secret, msg.proof, b"consumer", *nonces):
+            self._refuse(identity, "proof")
+            return
+        # Authenticated: from here on the peer may learn who we are, and be told it does not fit.
+        ok = msg.fingerprint == self.fingerprint and msg.version == PROTOCOL_VERSION
+        message = "" if ok else (f"incompatible KV peer: theirs {msg.fingerprint} (v{msg.version}), "
+                                 f"ours {self.fingerprint} (v{PROTOCOL_VERSION})")
+        shm = self.shm_path if ok else ""  # where our KV lives is for compatible peers only
+        if ok:
+            self._sessions[identity] = SessionTag(self._secret, *nonces)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        self._reply(identity, HelloReply(ok, self.engine_id, self.fingerprint, message, shm,
+                                         list(self.kv.shape) if shm else []))
+
+    def _refuse(self, identity: bytes, reason: str) -> None:
+        """Ends whatever the peer had begun and tells it no more than ``Refused``; counted by reason."""
+        self._challenges.pop(identity, None)
+        self._sessions.pop(identity, None)
+        with self._lock:
+            failures = self.stats["auth_failures"]
+            failures[reason] = failures.get(reason, 0) + 1
+        logger.debug("refused a KV message from a peer that has not authenticated (%s)", reason)
+        self._send_once(identity, Refused())
+
+    def _send_once(self, identity: bytes, msg: WireMessage) -> None:
+        """A reply to a peer without a session: tried once, dropped if it cannot go now."""
+        try:
+            self._sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # Again (a full queue: the peer does not read) or EHOSTUNREACH (gone)
+            pass
+
+    # ---- requests of authenticated peers (serve thread) ----------------------------------------
+    def _handle(self, identity: bytes, msg: Pull | Release | ShmDone) -> None:
+        if isinstance(msg, Pull):
             self._serve_pull(identity, msg)
         elif isinstance(msg, ShmDone):
             with self._lock:

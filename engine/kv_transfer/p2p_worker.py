@@ -5,6 +5,10 @@ the lookup buffer (only on an instance with a KV port), ``P2PConsumer`` pulls in
 the scheduler allocated. The wire format is in ``p2p_wire``. Here: where the KV tensor lives.
 A producer on CPU keeps it in a /dev/shm file, so consumers on the same host are lent blocks
 and copy them with one memcpy instead of receiving them over a socket.
+
+Both halves open every socket with a challenge-response keyed by the deployment ``secret``
+(with none, by a published key: no authentication, for loopback only); ``encrypt`` adds CURVE
+on every socket. Same-host shared-memory copies never cross a network and are not encrypted.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from engine.kv_transfer.p2p import P2PMetadata
 from engine.kv_transfer.p2p_consumer import P2PConsumer
 from engine.kv_transfer.p2p_producer import STAGING_BYTES, P2PProducer
 from engine.kv_transfer.p2p_wire import DEFAULT_CHUNK_BYTES
+from engine.kv_transfer.secret import KVSecret
 from engine.outputs import KVConnectorOutput
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "STAGING_BYTES", "P2PConnectorWorker"]
@@ -47,7 +52,13 @@ def _remove_stale_shm_files() -> None:
 
 class P2PConnectorWorker(KVConnectorWorker):
     def __init__(self, engine_id: str, fingerprint: str, bind_ip: str | None, port: int | None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, secret: KVSecret | None = None,
+                 encrypt: bool = False) -> None:
+        if encrypt and secret is None:
+            raise ValueError("--kv-encrypt needs the deployment secret (--kv-secret-file or ENGINE_KV_SECRET): "
+                             "the CURVE keys are derived from it")
+        if encrypt and not zmq.has("curve"):
+            raise ValueError("--kv-encrypt needs a libzmq built with CURVE, which this pyzmq lacks")
         self.engine_id = engine_id
         self.fingerprint = fingerprint
         self.bind_ip, self.port = bind_ip, port
@@ -56,10 +67,11 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # guards stats and each side's hand-over state
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}, "shm_loads": 0,
-                      "dropped_messages": 0, "dropped_replies": 0, "abandoned_sends": 0}
+                      "dropped_messages": 0, "dropped_replies": 0, "abandoned_sends": 0,
+                      "auth_failures": {}}  # the producer's refusals by reason: see auth_failures()
         self.producer = None if port is None else P2PProducer(
-            self._ctx, self._lock, self.stats, engine_id, fingerprint, bind_ip, port, chunk_bytes)
-        self.consumer = P2PConsumer(self._ctx, self._lock, self.stats, fingerprint, chunk_bytes)
+            self._ctx, self._lock, self.stats, engine_id, fingerprint, bind_ip, port, chunk_bytes, secret, encrypt)
+        self.consumer = P2PConsumer(self._ctx, self._lock, self.stats, fingerprint, chunk_bytes, secret, encrypt)
 
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
         """A producer on CPU keeps its KV in a shared-memory file that same-host consumers map
@@ -111,6 +123,13 @@ class P2PConnectorWorker(KVConnectorWorker):
         with self._lock:
             seconds, self.stats["seconds"] = self.stats["seconds"], []
             return (self.stats["bytes_sent"] + self.stats["bytes_received"], dict(self.stats["failures"]), seconds)
+
+    def auth_failures(self) -> dict[str, int]:
+        """Messages the producer refused, by reason, since start: ``proof`` (a handshake whose
+        proof did not verify) and ``unauthenticated`` (anything else from a peer without a
+        session). The consumer's own failed handshakes are load failures, reason ``auth``."""
+        with self._lock:
+            return dict(self.stats["auth_failures"])
 
     def shutdown(self) -> None:
         self.consumer.shutdown()

@@ -3,15 +3,24 @@
 It is parsed (``parse_kv_transfer_params``) at the edge — the API server, the offline API —
 so a wrong type, a missing field or an unknown key is a 400 naming the field, and nothing
 inside the engine core ever reads a client's raw dict.
+
+Parameters that make an instance act on someone else's KV (``do_remote_prefill``: connect to
+an address and pull; ``kv_store_tokens``: wait for store entries) are signed by the instance
+that produced them with the deployment secret (HMAC-SHA256 over every field and an expiry).
+With a secret configured, an instance acts only on parameters that carry a valid, unexpired
+signature: it never connects to an address a client made up.
 """
 from __future__ import annotations
 
 import hashlib
 import re
+import time
 from array import array
 from typing import Annotated
 
 import msgspec
+
+from engine.kv_transfer.secret import KVSecret
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
@@ -38,6 +47,13 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
     token_digest: ShortStr | None = None
     kv_store_tokens: NonNegative = 0
     inject_fault: ShortStr | None = None  # test hook, honoured only with ENGINE_ALLOW_KV_FAULTS=1
+    expires_at: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0  # unix seconds; part of what is signed
+    signature: ShortStr | None = None  # hex HMAC-SHA256 (key "params") of the other fields
+
+    @property
+    def acts_on_remote_kv(self) -> bool:
+        """Whether these parameters make the receiver act on KV it did not compute."""
+        return self.do_remote_prefill or self.kv_store_tokens > 0
 
     def __post_init__(self) -> None:
         if not self.do_remote_prefill:
@@ -77,6 +93,40 @@ def parse_kv_transfer_params(value: object) -> KVTransferParams | None:
             param = message.split(" ", 1)[0]
         raise KVTransferParamsError(message if message.startswith("kv_transfer_params") else
                                     f"{param}: {message}", param) from None
+
+
+# Slack on the expiry for clocks that differ between hosts.
+CLOCK_SKEW_S = 60
+
+
+def sign_kv_transfer_params(params: KVTransferParams, secret: KVSecret | None, ttl_s: float) -> KVTransferParams:
+    """``params`` with an expiry and, with a secret, its signature."""
+    unsigned = msgspec.structs.replace(params, expires_at=int(time.time() + ttl_s + CLOCK_SKEW_S), signature=None)
+    if secret is None:
+        return unsigned
+    return msgspec.structs.replace(unsigned, signature=secret.mac("params", msgspec.json.encode(unsigned)).hex())
+
+
+def check_kv_transfer_params_signature(params: KVTransferParams | None, secret: KVSecret | None) -> None:
+    """Raises KVTransferParamsError unless ``params`` may be acted on: nothing to act on, no
+    secret configured (a loopback-only deployment), or a valid signature that has not expired."""
+    if params is None or secret is None or not params.acts_on_remote_kv:
+        return
+    field = "kv_transfer_params.signature"
+    if not params.signature:
+        raise KVTransferParamsError(f"{field} is missing: this instance acts only on kv_transfer_params signed "
+                                    "by a prefill instance of its deployment", field)
+    try:
+        tag = bytes.fromhex(params.signature)
+    except ValueError:
+        tag = b""
+    unsigned = msgspec.structs.replace(params, signature=None)
+    if not secret.verify("params", tag, msgspec.json.encode(unsigned)):
+        raise KVTransferParamsError(f"{field} does not verify: these kv_transfer_params were not issued by this "
+                                    "deployment, or were changed", field)
+    if params.expires_at < time.time():
+        raise KVTransferParamsError("kv_transfer_params.expires_at has passed: the KV they name is gone",
+                                    "kv_transfer_params.expires_at")
 
 
 def token_digest(token_ids: list[int]) -> str:

@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_transfer.base import KVConnectorScheduler
-from engine.kv_transfer.params import KVTransferParams
+from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params
+from engine.kv_transfer.secret import KVSecret
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -94,12 +95,15 @@ class PendingLookup:
 
 class TieredConnectorScheduler(KVConnectorScheduler):
     def __init__(self, block_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 wait_s: float = DEFAULT_PROMISED_WAIT_S, lookup_timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
-        """Never calls a store: lookups and pins are the worker half's (see the module docstring)."""
+                 wait_s: float = DEFAULT_PROMISED_WAIT_S, lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+                 secret: KVSecret | None = None, params_ttl_s: float = 24 * 3600) -> None:
+        """Never calls a store: lookups and pins are the worker half's (see the module docstring).
+        ``secret`` signs the kv_store_tokens promises it hands out, valid ``params_ttl_s``."""
         if chunk_tokens <= 0 or chunk_tokens % block_size:
             raise ValueError(f"kv_chunk_tokens={chunk_tokens} must be a positive multiple of the block "
                              f"size ({block_size})")
         self.wait_s = wait_s
+        self.secret, self.params_ttl_s = secret, params_ttl_s
         self.lookup_timeout_s = lookup_timeout_s
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
@@ -233,7 +237,8 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             # Store-mode disaggregation: the prompt's chunks are (being) stored; a decode
             # instance on the same store loads them instead of recomputing.
             tokens = min(saved, (request.num_prompt_tokens - 1) // self.chunk_tokens) * self.chunk_tokens
-            return False, KVTransferParams(kv_store_tokens=tokens)
+            return False, sign_kv_transfer_params(KVTransferParams(kv_store_tokens=tokens), self.secret,
+                                                  self.params_ttl_s)
         return False, None
 
     def num_tracked_requests(self) -> int:
@@ -244,7 +249,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         first_chunk = self._loading.pop(req_id, None)
         if first_chunk is None:
             return
-        if failed:
+        if failed and req_id in self._requests:  # (an ended request's cancelled load: nothing to remember)
             # It recomputes: asking the tiers again could fail the same way, forever; and the
             # chunks it recomputes are saved again (a corrupt entry that was read is gone by now).
             self._no_lookup.add(req_id)

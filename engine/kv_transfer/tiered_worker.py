@@ -206,7 +206,7 @@ class TieredConnectorWorker(KVConnectorWorker):
             used = self._slow_used[store.name] if store.name in self._slow_used else store.used_bytes()
             stats[store.name] = {"hits": s.hits, "misses": s.misses, "bytes_stored": s.bytes_stored,
                                  "bytes_loaded": s.bytes_loaded, "used_bytes": used,
-                                 "load_seconds": store.drain_load_seconds()}
+                                 "load_seconds": store.drain_load_seconds(), "rejected": dict(s.rejected)}
         return stats
 
     def wait_for_saves(self, timeout: float = 30.0) -> bool:

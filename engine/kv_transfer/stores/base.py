@@ -8,7 +8,10 @@ never raises for a missing, corrupt or unreachable entry: that is a miss.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
+import logging
+import re
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -16,6 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import parse_size
+from engine.kv_transfer.secret import KVSecret
+from engine.kv_transfer.serde import CorruptPayload
+
+logger = logging.getLogger("engine.kv_store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +52,8 @@ class StoreStats:
     bytes_stored: int = 0
     bytes_loaded: int = 0
     load_seconds: list[float] = field(default_factory=list)  # drained by the stats reporter
+    # Entries refused on read (then deleted), by CorruptPayload.reason: bad_tag, corrupt, wrong_format.
+    rejected: dict[str, int] = field(default_factory=dict)
 
 
 class KVStore(ABC):
@@ -88,6 +97,12 @@ class KVStore(ABC):
                 else:
                     setattr(self.stats, name, getattr(self.stats, name) + value)
 
+    def reject(self, key: str, exc: CorruptPayload) -> None:
+        """Count and log an entry refused on read; the caller deletes it and reports a miss."""
+        logger.warning("%s KV tier: dropping %s (%s): %s", self.name, key, exc.reason, exc)
+        with self._stats_lock:
+            self.stats.rejected[exc.reason] = self.stats.rejected.get(exc.reason, 0) + 1
+
     def drain_load_seconds(self) -> list[float]:
         with self._stats_lock:
             seconds, self.stats.load_seconds = self.stats.load_seconds, []
@@ -114,32 +129,62 @@ class EvictingStore(KVStore):
 
 
 DEFAULT_REDIS_TTL_S = 24 * 3600
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_TIER_STARTS = ("cpu:", "disk:", *REDIS_SCHEMES)
+# scheme://userinfo@ - userinfo runs to the last "@" before the host's end ("/", "?" or "#").
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#]*)@")
 
 
-def parse_store_spec(spec: str, fmt: ChunkFormat, redis_ttl_s: int = DEFAULT_REDIS_TTL_S) -> list[KVStore]:
-    """``cpu:4GiB,disk:/path:20GiB,redis://host:6379/0`` -> stores in lookup order."""
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it masked (``redis://user:***@host``): use it on
+    anything that shows a Redis URL or a --kv-store spec (logs, errors)."""
+    def mask(m: re.Match) -> str:
+        user, sep, _ = m["userinfo"].partition(":")
+        return f"{m['scheme']}{user}:***@" if sep else f"{m['scheme']}***@"
+    return _USERINFO.sub(mask, text)
+
+
+def split_store_spec(spec: str) -> list[str]:
+    """The tiers of a spec. Tiers are separated by commas; a comma that does not start a known
+    tier and follows a Redis URL belongs to that URL (a password or a query argument may hold
+    one), so a URL is never cut apart and no piece of its password turns up in an error."""
+    parts: list[str] = []
+    for piece in spec.split(","):
+        if parts and parts[-1].startswith(REDIS_SCHEMES) and piece.strip() \
+                and not piece.strip().startswith(_TIER_STARTS):
+            parts[-1] += "," + piece
+        else:
+            parts.append(piece.strip())
+    return [p for p in parts if p]
+
+
+def parse_store_spec(spec: str, fmt: ChunkFormat, redis_ttl_s: int = DEFAULT_REDIS_TTL_S,
+                     secret: KVSecret | None = None) -> list[KVStore]:
+    """``cpu:4GiB,disk:/path:20GiB,redis://host:6379/0`` -> stores in lookup order. With a secret,
+    disk and Redis entries are authenticated (serde.py). The whole spec is checked before any
+    store is made: a bad one creates no directory and opens no connection."""
     from engine.kv_transfer.stores.cpu import CPUStore
     from engine.kv_transfer.stores.disk import DiskStore
     from engine.kv_transfer.stores.redis import RedisStore
 
-    stores: list[KVStore] = []
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        if part.startswith(("redis://", "rediss://", "unix://")):
-            stores.append(RedisStore(part, fmt, ttl_s=redis_ttl_s))
+    makers: dict[str, functools.partial[KVStore]] = {}  # tier name -> its constructor, in lookup order
+    for part in split_store_spec(spec):
+        if part.startswith(REDIS_SCHEMES):
+            name, maker = "redis", functools.partial(RedisStore, part, fmt, ttl_s=redis_ttl_s, secret=secret)
         elif part.startswith("cpu:"):
-            stores.append(CPUStore(parse_size(part[4:]), fmt))
+            name, maker = "cpu", functools.partial(CPUStore, parse_size(part[4:]), fmt)
         elif part.startswith("disk:"):
             path, sep, size = part[5:].rpartition(":")
             if not sep or not path:
                 raise ValueError(f"disk tier needs a path and a size, e.g. disk:/var/cache/kv:20GiB; got {part!r}")
-            stores.append(DiskStore(path, parse_size(size), fmt))
+            name, maker = "disk", functools.partial(DiskStore, path, parse_size(size), fmt, secret=secret)
         else:
-            raise ValueError(f"unknown KV store tier {part!r}; expected cpu:SIZE, disk:PATH:SIZE or redis://...")
-    names = [s.name for s in stores]
-    if len(set(names)) != len(names):
-        raise ValueError(f"each tier may appear once in --kv-store, got {spec!r}")
-    if not stores:
+            # Only the name: a mistyped Redis URL ("redis:/user:pass@host") must not show its password.
+            raise ValueError(f"unknown KV store tier {part.partition(':')[0]!r}; expected cpu:SIZE, disk:PATH:SIZE "
+                             "or redis://...")
+        if name in makers:
+            raise ValueError(f"each tier may appear once in --kv-store, got {redact(spec)!r}")
+        makers[name] = maker
+    if not makers:
         raise ValueError("--kv-store names no tier")
-    return stores
+    return [make() for make in makers.values()]

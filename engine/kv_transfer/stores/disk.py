@@ -1,17 +1,25 @@
 """Local-disk tier: one file per chunk, written atomically (temp file + rename), an LRU index
-rebuilt from the directory at start (so it survives restarts), and a byte cap."""
+rebuilt from the directory at start (so it survives restarts), and a byte cap.
+
+Prompts' KV is users' data: the directory is created 0700 and files 0600, whatever the umask.
+A directory that already exists keeps its mode (it may be one the operator set up, or shared
+like /tmp, where a chmod would do harm); if others can reach it we warn. Anyone who can write
+to it can plant entries: with a deployment secret those are refused (serde.py)."""
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import os
+import stat
 import threading
 import time
 
 import torch
 
 from engine.kv_transfer import serde
+from engine.kv_transfer.secret import KVSecret
 from engine.kv_transfer.stores.base import ChunkFormat, EvictingStore
 
 logger = logging.getLogger("engine.kv_store")
@@ -21,11 +29,16 @@ SUFFIX = ".kv"
 class DiskStore(EvictingStore):
     name = "disk"
 
-    def __init__(self, path: str, capacity_bytes: int, fmt: ChunkFormat) -> None:
+    def __init__(self, path: str, capacity_bytes: int, fmt: ChunkFormat, secret: KVSecret | None = None) -> None:
         super().__init__(fmt)
         self.dir = os.path.abspath(os.path.expanduser(path))
         self.capacity = capacity_bytes
-        os.makedirs(self.dir, exist_ok=True)
+        self.secret = secret
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)  # a new directory: owner only (see the docstring)
+        mode = stat.S_IMODE(os.stat(self.dir).st_mode)
+        if mode & 0o077:
+            logger.warning("disk KV tier %s is open to other users (mode %o): chmod 700 it%s", self.dir, mode,
+                           "" if secret else "; without a KV secret, entries others write there are served")
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> bytes, LRU first
         self._used = 0
         self._last_write_warning = 0.0
@@ -73,15 +86,13 @@ class DiskStore(EvictingStore):
 
     def get(self, key: str) -> torch.Tensor | None:
         try:
-            with open(self._file(key), "rb") as f:
-                data = f.read()
+            kv = serde.decode(self._read(key), self.fmt.fingerprint, self.fmt.dtype, list(self.fmt.shape), key,
+                              self.secret)
         except OSError:  # deleted behind our back (or unreadable): a miss
             self._forget(key)
             return None
-        try:
-            kv = serde.decode(data, self.fmt.fingerprint, self.fmt.dtype, list(self.fmt.shape))
         except serde.CorruptPayload as exc:
-            logger.warning("disk KV tier: dropping %s: %s", key, exc)
+            self.reject(key, exc)
             self._forget(key, unlink=True)
             return None
         with self._lock:
@@ -89,18 +100,34 @@ class DiskStore(EvictingStore):
                 self._index.move_to_end(key)
         return kv
 
+    def _read(self, key: str) -> bytes:
+        """The entry's bytes. Only a regular file of at most a payload's size is read: a planted
+        symlink is not followed, a FIFO never blocks, a huge (sparse) file is never loaded."""
+        try:
+            fd = os.open(self._file(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise serde.CorruptPayload("corrupt", "a symlink, not an entry") from None
+            raise
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > serde.max_size(self.fmt.nbytes):
+                raise serde.CorruptPayload("corrupt", f"not a regular file of at most a payload's size "
+                                                      f"(mode {st.st_mode:o}, {st.st_size} bytes)")
+            return f.read()
+
     def put(self, key: str, kv: torch.Tensor) -> None:
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
                 return
-        buffers = serde.encode(kv, self.fmt.fingerprint, num_tokens=self.fmt.shape[2] * self.fmt.shape[3])
+        buffers = serde.encode(kv, self.fmt.fingerprint, self.fmt.shape[2] * self.fmt.shape[3], key, self.secret)
         size = sum(memoryview(b).nbytes for b in buffers)
         if size > self.capacity:
             return
         tmp = os.path.join(self.dir, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 f.writelines(buffers)
             os.replace(tmp, self._file(key))  # readers see the whole file or none of it
         except OSError as exc:  # disk full, read-only, directory gone: skip this write

@@ -2,18 +2,29 @@
 TTL. Shared by every engine pointed at the same server, so one instance's prefill is another's
 prefix hit. Redis being down never blocks or fails a request: each operation has a short
 timeout, the tier turns itself off with one warning, and a background probe turns it back on
-when the server answers again; while it is off every call returns at once."""
+when the server answers again; while it is off every call returns at once.
+
+The URL is redis-py's (``Redis.from_url``): ``redis://[[user]:password@]host:port/db`` (a
+password alone, or an ACL user and password; percent-encode ``/ ? # % @`` and spaces in them),
+``rediss://`` for TLS with query arguments ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+``ssl_cert_reqs`` (``required``, the default, or ``none``) and ``ssl_check_hostname``, and
+``unix:///path/redis.sock?db=0``. A wrong password or an untrusted certificate is a server
+that does not answer: the tier is off and retried. The password is masked in every log line
+and error (``base.redact``)."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
+from urllib.parse import urlsplit
 
 import redis
 import torch
 
 from engine.kv_transfer import serde
-from engine.kv_transfer.stores.base import ChunkFormat, KVStore
+from engine.kv_transfer.secret import KVSecret
+from engine.kv_transfer.stores.base import ChunkFormat, KVStore, redact
 
 logger = logging.getLogger("engine.kv_store")
 TIMEOUT_S = 1.0
@@ -23,19 +34,29 @@ RETRY_S = 2.0
 class RedisStore(KVStore):
     name = "redis"
 
-    def __init__(self, url: str, fmt: ChunkFormat, ttl_s: int | None = None) -> None:
+    def __init__(self, url: str, fmt: ChunkFormat, ttl_s: int | None = None, secret: KVSecret | None = None) -> None:
         super().__init__(fmt)
-        self.url = url
+        self.url = redact(url)  # for logs: the real URL lives only in the client's connection settings
         self.ttl_s = ttl_s
+        self.secret = secret
         self.prefix = f"engine-kv:{fmt.namespace}:"
-        self._client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S,
-                                            health_check_interval=30)
+        parts = urlsplit(url)
+        if parts.scheme != "unix" and not re.fullmatch(r"/?\d*", parts.path):
+            raise ValueError(f"Redis URL {self.url}: the path must be the database number, e.g. /0")
+        try:
+            self._client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S,
+                                                health_check_interval=30)
+        except ValueError as exc:
+            raise ValueError(f"Redis URL {self.url}: {exc}") from None
         self._lock = threading.Lock()
         self._down_since: float | None = None  # set while the tier is off
         self._closed = threading.Event()
         self._used = 0
         self._used_checked = 0.0
-        self._call(self._client.ping)  # logs once if the server is down at start; never raises
+        try:
+            self._call(self._client.ping)  # logs once if the server is down or refuses us at start
+        except TypeError as exc:  # an unknown query argument reaches the connection only now
+            raise ValueError(f"Redis URL {self.url}: {exc}") from None
 
     @property
     def available(self) -> bool:
@@ -87,14 +108,15 @@ class RedisStore(KVStore):
         if data is None:
             return None
         try:
-            return serde.decode(data, self.fmt.fingerprint, self.fmt.dtype, list(self.fmt.shape))
+            return serde.decode(data, self.fmt.fingerprint, self.fmt.dtype, list(self.fmt.shape), key, self.secret)
         except serde.CorruptPayload as exc:
-            logger.warning("Redis KV tier: dropping %s: %s", key, exc)
+            self.reject(key, exc)
             self._call(self._client.delete, self.prefix + key)
             return None
 
     def put(self, key: str, kv: torch.Tensor) -> None:
-        payload = b"".join(serde.encode(kv, self.fmt.fingerprint, num_tokens=self.fmt.shape[2] * self.fmt.shape[3]))
+        payload = b"".join(serde.encode(kv, self.fmt.fingerprint, self.fmt.shape[2] * self.fmt.shape[3], key,
+                                        self.secret))
         # nx: an entry already there is identical (same key, same model): keep it, refresh nothing.
         if self._call(self._client.set, self.prefix + key, payload, ex=self.ttl_s, nx=True):
             self.count(bytes_stored=len(payload))
