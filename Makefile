@@ -30,7 +30,7 @@ serve-single: venv
 	$(VENV)/bin/engine serve --host 127.0.0.1 --port $(PORT)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: venv
 	$(PY) -m pytest -q tests -m "not slow"

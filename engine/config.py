@@ -62,6 +62,24 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def check_kv_ip(kv_ip: object) -> None:
+    """The address a prefill binds its KV port to is also the one it tells decode instances to
+    connect to: it must be a real IPv4 address or host name."""
+    import ipaddress
+
+    if not isinstance(kv_ip, str) or not kv_ip or kv_ip == "*":
+        raise ValueError(f"kv_ip must be an IPv4 address or a host name, got {kv_ip!r}")
+    try:
+        address = ipaddress.ip_address(kv_ip.strip("[]"))
+    except ValueError:
+        return  # a host name
+    if address.version == 6:
+        raise ValueError(f"kv_ip {kv_ip}: IPv6 KV addresses are not supported yet; use an IPv4 address or a host name")
+    if address.is_unspecified:
+        raise ValueError(f"kv_ip {kv_ip} is not an address decode instances can connect to: pass --kv-ip with "
+                         "this host's address on the network they use")
+
+
 @dataclass
 class KVTransferConfig:
     """Which connector moves KV in and out of this instance (see engine/kv_transfer)."""
@@ -73,6 +91,7 @@ class KVTransferConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_kv_ip(self.kv_ip)
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}")
         if self.kv_load_failure_policy not in ("recompute", "fail"):

@@ -142,8 +142,7 @@ class LLMEngine:
         logger.info("KV store tiers: %s (%d-token chunks of %.1f MiB)", ", ".join(s.name for s in tiers.stores),
                     config.kv_chunk_tokens, fmt.nbytes / 2**20)
         self.runner.set_connector(TieredConnectorWorker(tiers))
-        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens, secret=config.kv_secret,
-                                        params_ttl_s=config.kv_store_ttl_s)
+        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens, secret=config.kv_secret)
 
     def _eos_token_ids(self, hf_config: dict, gen_config: dict) -> frozenset[int]:
         ids: set[int] = set()

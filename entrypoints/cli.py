@@ -105,22 +105,39 @@ def _is_loopback(host: str) -> bool:
         return False  # a host name: assume it is reachable from elsewhere
 
 
+def _redis_hosts(kv_store: str | None) -> list[str]:
+    from urllib.parse import urlsplit
+
+    from engine.kv_transfer.stores.base import REDIS_SCHEMES, split_store_spec
+
+    hosts = []
+    for part in split_store_spec(kv_store or ""):
+        if part.startswith(REDIS_SCHEMES) and not part.startswith("unix:"):
+            try:
+                hosts.append(urlsplit(part).hostname or "")
+            except ValueError:
+                hosts.append("")  # unparsable: the store reports it; here it counts as remote
+    return hosts
+
+
 def check_kv_exposure(args: argparse.Namespace, config) -> None:
-    """Safe by default: the KV plane (a prefill's KV port, a decode's readiness to pull from
-    the addresses it is given) is only reachable beyond this host with a deployment secret."""
+    """Safe by default: the KV plane is only reachable beyond this host with a deployment
+    secret. That is a prefill's KV port, a decode's readiness to act on the kv_transfer_params
+    its clients send, and KV store entries in a Redis that others can write to."""
     transfer = config.kv_transfer_config
-    if transfer is None:
+    if transfer is None and not config.kv_store:
         return
-    if transfer.kv_ip in ("0.0.0.0", "::", "[::]", "*"):
-        raise ValueError(f"--kv-ip {transfer.kv_ip} is not an address decode instances can connect to: pass "
-                         "--kv-ip with this host's address on the network they use")
-    if transfer.extra.get("encrypt") and config.kv_secret is None:
-        raise ValueError("--kv-encrypt needs the deployment secret: --kv-secret-file PATH or ENGINE_KV_SECRET")
-    exposed = sorted({h for h in (args.host, transfer.kv_ip) if not _is_loopback(h)})
+    exposed = set() if _is_loopback(args.host) else {args.host}
+    if transfer is not None:
+        if transfer.extra.get("encrypt") and config.kv_secret is None:
+            raise ValueError("--kv-encrypt needs the deployment secret: --kv-secret-file PATH or ENGINE_KV_SECRET")
+        if not _is_loopback(transfer.kv_ip):
+            exposed.add(transfer.kv_ip)
+    exposed.update(f"Redis at {h or '?'}" for h in _redis_hosts(config.kv_store) if not _is_loopback(h))
     if exposed and config.kv_secret is None and not args.insecure_kv:
-        raise ValueError(f"--role {args.role} on {', '.join(exposed)} without a deployment secret would let anyone "
-                         "who reaches it read KV or point this instance at their own: create one with `engine "
-                         "secret PATH`, pass --kv-secret-file PATH to every prefill and decode instance of the "
+        raise ValueError(f"the KV plane on {', '.join(sorted(exposed))} without a deployment secret would let anyone "
+                         "who reaches it read KV, point this instance at their own or plant store entries: create "
+                         "one with `engine secret PATH`, pass --kv-secret-file PATH to every instance of the "
                          "deployment (or set ENGINE_KV_SECRET), or pass --insecure-kv to accept the risk")
 
 
@@ -302,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="encrypt KV sent over TCP (CURVE, keys derived from the deployment secret; needs "
                           "--kv-secret-file). Same-host shared-memory copies are unaffected")
     srv.add_argument("--insecure-kv", action="store_true",
-                     help="allow --role prefill/decode on a non-loopback address without a deployment secret "
+                     help="allow the KV plane (--role prefill/decode, --kv-store) on a non-loopback address, or with a remote "
+                          "Redis, without a deployment secret "
                           "(anyone who reaches the ports can then read KV or steer the decode instance)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)

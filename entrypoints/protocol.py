@@ -25,11 +25,20 @@ class BodyError(ValueError):
 
 async def read_json_object(raw) -> dict:
     """The request's body as a JSON object; BodyError (413, 400) for anything else."""
-    if int(raw.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise BodyError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
-    body = await raw.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise BodyError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    too_large = BodyError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    declared = raw.headers.get("content-length") or "0"
+    if not declared.isdigit():
+        raise BodyError(400, "Content-Length is not a number")
+    if int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    # Counted as it arrives: a chunked body has no Content-Length, and must never be buffered whole.
+    parts, size = [], 0
+    async for part in raw.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        parts.append(part)
+    body = b"".join(parts)
     try:
         # Strict JSON: no NaN/Infinity, no number that overflows a float, no lone surrogate
         # (nothing a proxy could not encode again for its upstream).

@@ -1,6 +1,8 @@
 """Start a real `engine serve` subprocess on a free loopback port and check it stays clean."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -111,3 +113,22 @@ class ServerProcess:
                 raise AssertionError("engine core process outlived the server")
             time.sleep(0.05)
         return code
+
+
+def leave_when(url: str, body: dict, ready, timeout: float = 30) -> None:
+    """Send ``body``, and hang up as soon as ``ready()`` (polled) says the server is where the
+    test wants the request to be. The request must still be open then: no client timeout has
+    to be shorter than the work, only the hang-up has to beat it."""
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            task = asyncio.ensure_future(http.post(url, json=body))
+            deadline = time.monotonic() + timeout
+            while not await asyncio.to_thread(ready):
+                assert not task.done(), f"the request ended before the client left: {task.result().text[:300]}"
+                assert time.monotonic() < deadline, "the request never reached the state to leave in"
+                await asyncio.sleep(0.02)
+            assert not task.done(), "the request ended before the client left"
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    asyncio.run(run())

@@ -159,6 +159,13 @@ def test_a_stranger_with_write_access_to_the_shared_redis(tiny_llama, colocated,
             forged = {**promise, "kv_store_tokens": 64}
             resp = _complete(decode.url, victim, kv_transfer_params=forged)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params.signature"
+            # The genuine promise replayed with another prompt promises nothing for it: no load
+            # waits (10 s) for chunks that were never stored, the answer comes as fast as ever.
+            stranger_prompt = _prompt(100 + attempt, 100)
+            started = time.monotonic()
+            resp = _complete(decode.url, stranger_prompt, kv_transfer_params=promise)
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == colocated(stranger_prompt)
+            assert time.monotonic() - started < 5, "the replayed promise made the decode wait for its chunks"
             decode.wait_idle()
             rejected = _eventually(lambda: decode.status()["kv_store"]["redis"]["rejected"],
                                    lambda r: r.get("bad_tag", 0) > before)

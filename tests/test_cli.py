@@ -12,7 +12,7 @@ from entrypoints.cli import kv_transfer_config
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(kv_transfer_config=None, role="both", kv_ip=None, host="127.0.0.1", kv_port=None,
-                kv_load_failure_policy="recompute", kv_lease_s=30.0, kv_load_timeout_s=30.0)
+                kv_load_failure_policy="recompute", kv_lease_s=30.0, kv_load_timeout_s=30.0, kv_encrypt=False)
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -4,7 +4,6 @@ blocks may stay held on P or D afterwards."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import socket
@@ -19,7 +18,7 @@ from engine import LLM, SamplingParams
 from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
 from engine.kv_transfer.secret import KVSecret
 from tests.disagg_utils import Disagg
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, free_port, leave_when
 
 ENGINE_ARGS = ("--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny")
 
@@ -329,24 +328,6 @@ def _wait_for(condition, timeout: float = 30, state=lambda: None) -> None:
         time.sleep(0.02)
 
 
-def _leave_when(url: str, body: dict, ready, timeout: float = 30) -> None:
-    """Send ``body`` and hang up as soon as ``ready()`` (polled) holds; the request must still
-    be open then."""
-    async def run() -> None:
-        async with httpx.AsyncClient(timeout=60) as http:
-            task = asyncio.ensure_future(http.post(url, json=body))
-            deadline = time.monotonic() + timeout
-            while not await asyncio.to_thread(ready):
-                assert not task.done(), f"the request ended before the client left: {task.result().text[:300]}"
-                assert time.monotonic() < deadline, "the request never reached the state to leave in"
-                await asyncio.sleep(0.02)
-            assert not task.done(), "the request ended before the client left"
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    asyncio.run(run())
-
-
 def test_client_disconnect_through_the_proxy(pd):
     """FAULTS 9 via the proxy: leaving mid-stream or mid non-stream aborts the request on D
     (counted once each), and neither P nor D keeps any block (the autouse check waits for both
@@ -362,7 +343,7 @@ def test_client_disconnect_through_the_proxy(pd):
         _wait_for(decoding, state=lambda: pd.decode.status()["requests"])
     pd.wait_idle()
     assert _abort_count(pd.decode) == before + 1
-    _leave_when(f"{pd.url}/v1/completions", body, decoding)
+    leave_when(f"{pd.url}/v1/completions", body, decoding)
     pd.wait_idle()
     assert _abort_count(pd.decode) == before + 2
 

@@ -9,19 +9,16 @@ output, failure counted under its reason) or fail the request. Each damaged requ
 identified by its X-Request-Id, so the decode log shows which check rejected it."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import random
 import re
-import time
 import uuid
 
 import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, free_port, leave_when
 
 ARGS = ("--num-blocks", "128", "--max-model-len", "1024")
 PROMPT = [random.Random(5).randrange(3, 49152) for _ in range(70)]  # 5 blocks of 16: one chunk
@@ -139,25 +136,6 @@ def test_duplicate_frames_are_dropped(prefill, decode, expected):
     decode.wait_idle()
 
 
-def _leave_when(url: str, body: dict, ready, timeout: float = 30) -> None:
-    """Send ``body``, and hang up as soon as ``ready()`` (polled) says the server is where the
-    test wants the request to be. The request must still be open then: no client timeout has
-    to be shorter than the work, only the hang-up has to beat it."""
-    async def run() -> None:
-        async with httpx.AsyncClient(timeout=60) as http:
-            task = asyncio.ensure_future(http.post(url, json=body))
-            deadline = time.monotonic() + timeout
-            while not await asyncio.to_thread(ready):
-                assert not task.done(), f"the request ended before the client left: {task.result().text[:300]}"
-                assert time.monotonic() < deadline, "the request never reached the state to leave in"
-                await asyncio.sleep(0.02)
-            assert not task.done(), "the request ended before the client left"
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    asyncio.run(run())
-
-
 def test_late_frames_after_an_abort_are_never_written(prefill, decode, expected, colocated):
     """The decode client leaves while its KV load is in flight; P holds the frames back past
     D's load deadline, so they can only come late. D cancels the load (counted as cancelled,
@@ -165,7 +143,7 @@ def test_late_frames_after_an_abort_are_never_written(prefill, decode, expected,
     them: the request that reuses them and the next transfer are both exact."""
     params = _prefill(prefill, "delay=4")  # D waits 2 s at most (--kv-load-timeout-s)
     before = _failures(decode)
-    _leave_when(f"{decode.url}/v1/completions",
+    leave_when(f"{decode.url}/v1/completions",
                 {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "kv_transfer_params": params},
                 lambda: decode.status()["requests"]["waiting_for_remote_kv"] == 1)
     decode.wait_idle()

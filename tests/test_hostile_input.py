@@ -5,6 +5,9 @@ then still answers a canonical request with its canonical output."""
 from __future__ import annotations
 
 import json
+import select
+import socket
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -67,6 +70,7 @@ def test_stop_token_ids_outside_the_vocabulary(server, ids):
     ({**PULL, "num_tokens": -5}, "kv_transfer_params.num_tokens"),
     ({**PULL, "num_tokens": 2**70}, "kv_transfer_params.num_tokens"),
     ({"kv_store_tokens": "x"}, "kv_transfer_params.kv_store_tokens"),
+    ({"do_remote_decode": True, "inject_fault": "delay=abc"}, "kv_transfer_params.inject_fault"),
     ({"unknown_key": 1}, "kv_transfer_params.unknown_key"),
     ("a string", "kv_transfer_params"),
     ([PULL, PULL], "kv_transfer_params"),  # two entries for one prompt
@@ -128,6 +132,38 @@ def test_limits(server, body, param):
 def test_body_too_large(server):
     resp = _post(server, "/v1/completions", json.dumps({"prompt": "x" * (33 * 2**20)}))
     assert resp.status_code == 413
+
+
+def _post_chunked(url: str, path: str, total: int) -> tuple[bytes, int]:
+    """POSTs up to ``total`` bytes with Transfer-Encoding: chunked (no Content-Length), stopping
+    as soon as the server answers; returns the answer's head and how many bytes were sent."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n".encode())
+        piece = b"%x\r\n%s\r\n" % (2**20, b" " * 2**20)
+        sent = 0
+        while sent < total and not select.select([sock], [], [], 0)[0]:
+            try:
+                sock.sendall(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += 2**20
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+        return answer, sent
+
+
+def test_chunked_body_too_large(server):
+    """A body without Content-Length is counted as it arrives: refused at 32 MiB, not buffered."""
+    answer, sent = _post_chunked(server.url, "/v1/completions", 256 * 2**20)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert sent < 128 * 2**20, f"the server read {sent} bytes before it refused"
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 @pytest.mark.parametrize("seed", [2**63 - 1, -2**63])

@@ -104,17 +104,34 @@ def test_serve_refuses_an_exposed_kv_plane_without_a_secret(role, monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     check_kv_exposure(_serve_args(role, "127.0.0.1"), _config(role, "127.0.0.1", None, None))  # loopback: fine
     check_kv_exposure(_serve_args(role, "localhost"), _config(role, "localhost", None, None))
-    for host, kv_ip in [("10.1.2.3", None), ("127.0.0.1", "10.1.2.3"), ("node7.example", None)]:
+    for host, kv_ip in [("10.1.2.3", None), ("127.0.0.1", "10.1.2.3"), ("node7.example", None),
+                        ("0.0.0.0", "127.0.0.1")]:
         with pytest.raises(ValueError, match="without a deployment secret"):
             check_kv_exposure(_serve_args(role, host, kv_ip), _config(role, host, kv_ip, None))
         check_kv_exposure(_serve_args(role, host, kv_ip), _config(role, host, kv_ip, SECRET))
         check_kv_exposure(_serve_args(role, host, kv_ip, insecure=True), _config(role, host, kv_ip, None))
-    with pytest.raises(ValueError, match="not an address decode instances can connect to"):
-        check_kv_exposure(_serve_args(role, "0.0.0.0"), _config(role, "0.0.0.0", None, SECRET))
+    for kv_ip in ("0.0.0.0", "::", "::0", "0:0::0", "[::]", "*", "fd00::5", None, 7):
+        with pytest.raises(ValueError, match="kv_ip"):
+            _config(role, "127.0.0.1", kv_ip, SECRET) if kv_ip is not None else KVTransferConfig(kv_ip=None)
     with pytest.raises(ValueError, match="--kv-encrypt needs"):
         check_kv_exposure(_serve_args(role, "127.0.0.1"), _config(role, "127.0.0.1", None, None, encrypt=True))
-    # A colocated instance has no KV plane to expose.
-    check_kv_exposure(_serve_args("both", "0.0.0.0"), EngineConfig(model="m"))
+
+
+def test_a_store_user_is_safe_by_default_too(monkeypatch):
+    """A colocated instance with KV tiers acts on clients' kv_store_tokens promises and reads
+    entries others may write: on a network, or with a remote Redis, it needs the secret too."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    check_kv_exposure(_serve_args("both", "0.0.0.0"), EngineConfig(model="m"))  # no KV plane at all
+    for host, store in [("127.0.0.1", "cpu:1GiB"), ("127.0.0.1", "redis://127.0.0.1:6379/0"),
+                        ("127.0.0.1", "unix:///run/redis.sock")]:
+        check_kv_exposure(_serve_args("both", host), EngineConfig(model="m", kv_store=store))
+    for host, store in [("0.0.0.0", "cpu:1GiB"), ("127.0.0.1", "redis://10.0.0.9:6379/0"),
+                        ("127.0.0.1", "cpu:1GiB,rediss://u:p@cache.example:6380/0")]:
+        with pytest.raises(ValueError, match="without a deployment secret") as err:
+            check_kv_exposure(_serve_args("both", host), EngineConfig(model="m", kv_store=store))
+        assert ":p@" not in str(err.value)
+        check_kv_exposure(_serve_args("both", host), EngineConfig(model="m", kv_store=store, kv_secret=SECRET))
+        check_kv_exposure(_serve_args("both", host, insecure=True), EngineConfig(model="m", kv_store=store))
 
 
 def test_every_subcommand_prints_its_help():

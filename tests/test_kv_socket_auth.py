@@ -20,7 +20,7 @@ from engine.kv_transfer.p2p_wire import (
 from engine.kv_transfer.p2p_worker import P2PConnectorWorker
 from engine.kv_transfer.secret import KVSecret
 from tests.server_utils import free_port
-from tests.test_p2p_worker import BLOCK_BYTES, SHAPE, RawPeer, _load_result
+from tests.test_p2p_worker import BLOCK_BYTES, SHAPE, RawPeer, _load_result, hold_copies
 
 SECRET = KVSecret("the-deployment-secret-0123456789")
 WRONG = KVSecret("somebody-elses-secret-0123456789")
@@ -128,14 +128,7 @@ def test_a_strangers_release_and_shm_done_change_nothing(producer, ctx, monkeypa
     transfer id) and releases another entry: both refused, so the copy stays valid (the
     producer did not end the loan: ShmAck ok) and the other entry stays on offer."""
     consumer = _consumer()
-    copy = consumer.consumer._copy_blocks
-    copying, go_on = threading.Event(), threading.Event()
-
-    def copy_when_told(*args):
-        copying.set()
-        go_on.wait(30)
-        copy(*args)
-    monkeypatch.setattr(consumer.consumer, "_copy_blocks", copy_when_told)
+    copying, go_on = hold_copies(consumer, monkeypatch)
     _offer(producer, "lent", list(range(9)))
     _offer(producer, "other", list(range(20, 25)))
     attackers = [RawPeer(ctx, _tcp(producer)), RawPeer(ctx, _tcp(producer))]
@@ -380,6 +373,32 @@ def test_what_strangers_make_the_producer_hold_is_bounded(producer, ctx, monkeyp
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_a_flood_that_pushes_out_a_consumers_challenge_costs_it_one_more_round_trip(producer, ctx, monkeypatch):
+    """A stranger's Hello arrives between the consumer's Hello and its Auth and pushes the
+    consumer's open challenge out: the producer refuses the consumer's (valid) proof, and the
+    consumer, which has already seen the producer prove the secret, tries once more and loads."""
+    monkeypatch.setattr(p2p_producer, "MAX_CHALLENGES", 1)
+    stranger = RawPeer(ctx, _tcp(producer))
+    checked = p2p_consumer.proof_ok
+    calls = []
+
+    def proof_ok_during_a_flood(*args):
+        if not calls:
+            stranger.hello()  # answered: the producer has dropped the consumer's challenge
+        calls.append(1)
+        return checked(*args)
+    monkeypatch.setattr(p2p_consumer, "proof_ok", proof_ok_during_a_flood)
+    consumer = _consumer()
+    try:
+        _offer(producer, "r", list(range(3)))
+        out = _load(consumer, "r", _tcp(producer), list(range(3)))
+        assert out.finished_recving == {"r"}, out.failure_reasons
+        assert len(calls) == 2 and producer.auth_failures() == {"proof": 1}
+    finally:
+        stranger.close()
+        consumer.shutdown()
 
 
 def test_a_consumer_whose_session_was_dropped_reconnects(producer, ctx, monkeypatch):

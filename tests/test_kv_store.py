@@ -19,6 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kv_transfer import serde
+from engine.kv_transfer.params import token_digest
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
 from engine.kv_transfer.stores.cpu import CPUStore
 from engine.kv_transfer.stores.disk import DiskStore
@@ -378,7 +379,8 @@ def test_a_broken_promise_recomputes_once(tiny_llama, reference):
     llm = LLM(str(tiny_llama), num_blocks=64, kv_store="cpu:64MiB", kv_chunk_tokens=32)
     llm.engine.scheduler.connector.wait_s = 0.5
     prompt = _prompt(14, 150)
-    llm.engine.add_request("promised", prompt, GREEDY, kv_transfer_params={"kv_store_tokens": 128})
+    llm.engine.add_request("promised", prompt, GREEDY, kv_transfer_params={
+        "kv_store_tokens": 128, "token_digest": token_digest(prompt[:128])})
     start, outputs = time.monotonic(), []
     while llm.engine.has_unfinished_requests():
         outputs += [o for o in llm.engine.step() if o.finished]
@@ -613,11 +615,16 @@ def test_lookup_answers_follow_the_local_prefix_and_pins_end_with_the_load():
         _wait_for(lambda: not store._pins)
         # A promise (store-mode disaggregation) decides without a lookup.
         p = make_request("p", 70)
-        p.kv_transfer_params = KVTransferParams(kv_store_tokens=48)
+        p.kv_transfer_params = KVTransferParams(kv_store_tokens=48, token_digest=token_digest(p.prompt_token_ids[:48]))
         assert sched.get_num_new_matched_tokens(p, 0) == (48, True) and not step()[0].lookups
-        for request in (d, p):
+        # A promise made for other tokens (one replayed with another prompt) is no promise: a lookup.
+        q = make_request("q", 70)
+        q.kv_transfer_params = KVTransferParams(kv_store_tokens=48, token_digest=p.kv_transfer_params.token_digest)
+        assert sched.get_num_new_matched_tokens(q, 0) is None and step()[0].lookups[0].req_id == "q"
+        for request in (d, p, q):
             sched.request_finished(request, [])
-        assert sched.num_tracked_requests() == 0 and store.num_contains == 2
+        assert sched.num_tracked_requests() == 0
+        _wait_for(lambda: store.num_contains == 3)  # q asked too (p, with its promise, did not)
     finally:
         worker.shutdown()
 

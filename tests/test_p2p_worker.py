@@ -100,6 +100,20 @@ class RawPeer:
         self.sock.close(linger=0)
 
 
+def hold_copies(consumer: P2PConnectorWorker, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Makes ``consumer``'s shared-memory copies wait: the first event is set when a copy has
+    begun, and the copy goes on once the test sets the second."""
+    copy = consumer.consumer._copy_blocks
+    copying, go_on = threading.Event(), threading.Event()
+
+    def held_copy(*args):
+        copying.set()
+        go_on.wait(30)
+        copy(*args)
+    monkeypatch.setattr(consumer.consumer, "_copy_blocks", held_copy)
+    return copying, go_on
+
+
 def _consumer_of(shape) -> P2PConnectorWorker:
     worker = P2PConnectorWorker("d", "fp", None, None)
     worker.register_kv_caches(torch.zeros(shape))
@@ -237,14 +251,7 @@ def test_copy_that_outlives_the_lease_is_discarded(producer, monkeypatch):
     held open until the producer has observably ended the loan (no sleep has to outlast the
     lease); the lease only has to outlast one loopback round trip for the grant."""
     consumer = _consumer()
-    copy = consumer.consumer._copy_blocks
-    copying, lease_ended = threading.Event(), threading.Event()
-
-    def copy_until_the_lease_ended(*args):
-        copying.set()
-        lease_ended.wait(30)
-        copy(*args)
-    monkeypatch.setattr(consumer.consumer, "_copy_blocks", copy_until_the_lease_ended)
+    copying, lease_ended = hold_copies(consumer, monkeypatch)
     try:
         lease_s = 2.0
         producer.start_load_kv(P2PMetadata(sends=[SendSpec("slow", list(range(9)), 36, time.monotonic() + lease_s,
@@ -259,7 +266,7 @@ def test_copy_that_outlives_the_lease_is_discarded(producer, monkeypatch):
         out = _load_result(consumer)
         assert out.failed_recving == {"slow"}, out
         assert out.failure_reasons["slow"] == "timeout: the producer's lease ended during the copy"
-        monkeypatch.setattr(consumer.consumer, "_copy_blocks", copy)  # the next transfer works
+        # The next transfer works (the held copy now goes straight on).
         out = _transfer(producer, consumer, "next", list(range(9)), list(range(9, 18)), ipc_path(producer.port))
         assert out.finished_recving == {"next"}, out.failure_reasons
         assert torch.equal(consumer.kv[:, :, 9:18], producer.kv[:, :, :9])

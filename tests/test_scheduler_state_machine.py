@@ -137,10 +137,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self, prefix, prefix_len, tail, max_tokens, remote, outcome, delay, lookup_delay, n):
         base = [] if prefix is None else PREFIXES[prefix][:prefix_len]
         leader = None
-        for i in range(n):
+        prompt = base + [5000 + 100 * (self.next_id + 1) + j for j in range(tail)]  # the n samples share it
+        for _ in range(n):
             req_id = f"r{self.next_id}"
             self.next_id += 1
-            prompt = base + [5000 + 100 * self.next_id + j for j in range(tail)] if i == 0 else prompt
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             request = Request(req_id, prompt, params, frozenset({EOS}), max_tokens, self.hasher,
                               kv_leader=leader)

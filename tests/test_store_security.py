@@ -153,6 +153,25 @@ def test_bad_entries_are_misses_deleted_and_counted(tier, tmp_path, request):
     store.close()
 
 
+def test_planted_huge_and_non_string_redis_values_are_refused(redis_server):  # noqa: F811
+    """Redis's answer to a planted value is bounded (never more than one payload is fetched),
+    and a list planted under our key is a refused entry, not a server that is down."""
+    store = RedisStore(redis_server.url, FMT, secret=SECRET)
+    entries = _RedisEntries(store, redis_server.url)
+    entries.write("huge", b"EKV2" + b"\0" * (64 * 2**20))
+    entries.client.rpush(store.prefix + "list", b"x")
+    fetched = []
+    getrange = store._client.getrange
+    store._client.getrange = lambda *args: fetched.append(len(value := getrange(*args))) or value
+    for key in ("huge", "list"):
+        assert store.contains([key]) == [True] and store.get(key) is None and not entries.exists(key)
+    assert fetched == [serde.max_size(FMT.nbytes) + 1] and store.stats.rejected == {"corrupt": 2}
+    assert store.available  # still on
+    store.put("k0", _chunk(0))
+    assert torch.equal(store.get("k0"), _chunk(0))
+    store.close()
+
+
 def test_planted_symlinks_fifos_and_huge_files_are_refused(tmp_path, caplog):
     """Without a secret too: a symlink would serve another key's entry, a FIFO would block the
     reader, a huge sparse file would be read into memory. Each is refused and removed."""
@@ -271,7 +290,11 @@ def test_spec_keeps_redis_urls_whole_and_errors_hide_passwords():
     for bad, shown in [("redis://u:hunter2@127.0.0.1:1/0,gpu:1GiB", "path must be"),  # a typo is not swallowed
                        ("redis://u:hunter2@127.0.0.1:1/0?no_such_option=1", "no_such_option"),
                        ("redis://u:hunter2@127.0.0.1:1/0,cpu:1MiB,rediss://u:hunter2@127.0.0.1:2/0", "once"),
-                       ("redis:/u:hunter2@127.0.0.1:1/0", "unknown KV store tier 'redis'")]:
+                       ("redis:/u:hunter2@127.0.0.1:1/0", "unknown KV store tier 'redis'"),
+                       # unencoded / and # in the password, and a comma that splits one off as a "tier"
+                       ("redis://admin:hunter2/x@127.0.0.1:1/0", "path must be"),
+                       ("redis://admin:top#hunter2@127.0.0.1:1/0", "not valid"),
+                       ("cpu:1GiB,redis://u:hunter2,disk:hunter2@h/0", "disk tier needs")]:
         with pytest.raises(ValueError, match=shown) as info:
             parse_store_spec(bad, FMT)
         assert "hunter2" not in str(info.value), info.value

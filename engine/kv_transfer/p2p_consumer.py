@@ -63,6 +63,9 @@ class Peer:
         self.sock.send_multipart([body, self.session.next(body)])
 
 
+REFUSED = "auth: the KV peer refused us"
+
+
 class P2PConsumer:
     """Pulls (and releases) on ``NUM_PULLERS`` threads. ``stats`` and ``lock`` are shared
     with the producer of the same worker; everything else here is the consumer's own."""
@@ -170,6 +173,10 @@ class P2PConsumer:
         try:
             sock.connect(addr)
             peer, error = self._handshake(sock, monitor, addr, deadline)
+            if peer is None and error.startswith(REFUSED):
+                # The producer proved it holds our secret, then refused our proof: our open
+                # challenge was pushed out (a flood of strangers' handshakes). Once more.
+                peer, error = self._handshake(sock, monitor, addr, deadline)
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -234,7 +241,7 @@ class P2PConsumer:
                 logger.warning("dropped an undecodable KV message")
                 continue
             if isinstance(msg, Refused):
-                return f"auth: the KV peer refused us ({msg.message})"
+                return f"{REFUSED} ({msg.message})"
             if accept(msg):
                 return (msg, frames) if req_id is not None else msg
 

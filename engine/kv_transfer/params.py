@@ -24,6 +24,7 @@ from engine.kv_transfer.secret import KVSecret
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
+_FAULT = re.compile(r"drop|truncate|duplicate|reorder|corrupt|bad_dtype|bad_shape|delay=(60(\.0+)?|[1-5]?\d(\.\d+)?)")
 _KV_ADDR = re.compile(r"^tcp://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 
 
@@ -56,6 +57,9 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
         return self.do_remote_prefill or self.kv_store_tokens > 0
 
     def __post_init__(self) -> None:
+        if self.inject_fault is not None and not _FAULT.fullmatch(self.inject_fault):
+            raise ValueError("kv_transfer_params.inject_fault must be one of drop, truncate, duplicate, reorder, "
+                             "corrupt, bad_dtype, bad_shape or delay=SECONDS (0-60)")
         if not self.do_remote_prefill:
             return
         for name in ("remote_kv_addr", "remote_request_id", "token_digest"):

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_transfer.base import KVConnectorScheduler
-from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params
+from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
 from engine.kv_transfer.secret import KVSecret
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -93,10 +93,14 @@ class PendingLookup:
     timed_out: bool = False   # the deadline passed first: a miss, and later answers are ignored
 
 
+# How long a kv_store_tokens promise may be acted on: it is used right after the prefill answers.
+PROMISE_TTL_S = 60.0
+
+
 class TieredConnectorScheduler(KVConnectorScheduler):
     def __init__(self, block_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  wait_s: float = DEFAULT_PROMISED_WAIT_S, lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
-                 secret: KVSecret | None = None, params_ttl_s: float = 24 * 3600) -> None:
+                 secret: KVSecret | None = None, params_ttl_s: float = PROMISE_TTL_S) -> None:
         """Never calls a store: lookups and pins are the worker half's (see the module docstring).
         ``secret`` signs the kv_store_tokens promises it hands out, valid ``params_ttl_s``."""
         if chunk_tokens <= 0 or chunk_tokens % block_size:
@@ -128,10 +132,12 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         if first >= last or req_id in self._no_lookup:
             return 0, False
         params = request.kv_transfer_params
-        if params is not None and params.kv_store_tokens > 0:
-            # Store-mode disaggregation: a prefill instance said it stored this many tokens; its
-            # writes may still be on their way, so the loader waits for them (up to a deadline).
-            # The promise decides what to allocate: no lookup.
+        if params is not None and params.kv_store_tokens > 0 and params.token_digest == token_digest(
+                request.prompt_token_ids[:params.kv_store_tokens]):
+            # Store-mode disaggregation: a prefill instance said it stored this many tokens of
+            # this very prompt (a promise made for other tokens is no promise: it gets a lookup);
+            # its writes may still be on their way, so the loader waits for them (up to a
+            # deadline). The promise decides what to allocate: no lookup.
             return self._match(min(params.kv_store_tokens // self.chunk_tokens, last), num_computed_tokens)
         lookup = self._lookups.get(req_id)
         if lookup is None or (lookup.found is not None and first < lookup.first_chunk):
@@ -237,8 +243,9 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             # Store-mode disaggregation: the prompt's chunks are (being) stored; a decode
             # instance on the same store loads them instead of recomputing.
             tokens = min(saved, (request.num_prompt_tokens - 1) // self.chunk_tokens) * self.chunk_tokens
-            return False, sign_kv_transfer_params(KVTransferParams(kv_store_tokens=tokens), self.secret,
-                                                  self.params_ttl_s)
+            promise = KVTransferParams(kv_store_tokens=tokens,
+                                       token_digest=token_digest(request.prompt_token_ids[:tokens]))
+            return False, sign_kv_transfer_params(promise, self.secret, self.params_ttl_s)
         return False, None
 
     def num_tracked_requests(self) -> int:

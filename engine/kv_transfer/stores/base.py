@@ -132,7 +132,9 @@ DEFAULT_REDIS_TTL_S = 24 * 3600
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _TIER_STARTS = ("cpu:", "disk:", *REDIS_SCHEMES)
 # scheme://userinfo@ - userinfo runs to the last "@" before the host's end ("/", "?" or "#").
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#]*)@")
+# Up to the last @ of the URL: a password may hold an unencoded / ? # or @ (better to mask too
+# much than a piece of a password).
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>\S*)@")
 
 
 def redact(text: str) -> str:
@@ -176,7 +178,8 @@ def parse_store_spec(spec: str, fmt: ChunkFormat, redis_ttl_s: int = DEFAULT_RED
         elif part.startswith("disk:"):
             path, sep, size = part[5:].rpartition(":")
             if not sep or not path:
-                raise ValueError(f"disk tier needs a path and a size, e.g. disk:/var/cache/kv:20GiB; got {part!r}")
+                # (never echoed: it may be a piece of a Redis password that held a comma)
+                raise ValueError("disk tier needs a path and a size, e.g. disk:/var/cache/kv:20GiB")
             name, maker = "disk", functools.partial(DiskStore, path, parse_size(size), fmt, secret=secret)
         else:
             # Only the name: a mistyped Redis URL ("redis:/user:pass@host") must not show its password.

@@ -40,14 +40,19 @@ class RedisStore(KVStore):
         self.ttl_s = ttl_s
         self.secret = secret
         self.prefix = f"engine-kv:{fmt.namespace}:"
+        # A URL that does not parse is never shown, even redacted: a password with an unencoded
+        # / ? # or , is exactly what makes it not parse, and a piece of it could end up anywhere.
+        hidden = f"Redis URL {url.partition('://')[0]}://(hidden)"
         parts = urlsplit(url)
         if parts.scheme != "unix" and not re.fullmatch(r"/?\d*", parts.path):
-            raise ValueError(f"Redis URL {self.url}: the path must be the database number, e.g. /0")
+            raise ValueError(f"{hidden}: the path must be the database number, e.g. /0 (percent-encode / ? # % @ "
+                             "in the password)")
         try:
             self._client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S,
                                                 health_check_interval=30)
-        except ValueError as exc:
-            raise ValueError(f"Redis URL {self.url}: {exc}") from None
+        except ValueError:
+            raise ValueError(f"{hidden} is not valid: expected redis://[user:password@]host:port/db, with / ? # % @ "
+                             "percent-encoded in the password") from None
         self._lock = threading.Lock()
         self._down_since: float | None = None  # set while the tier is off
         self._closed = threading.Event()
@@ -104,15 +109,27 @@ class RedisStore(KVStore):
         return [bool(f) for f in found] if found is not None else [False] * len(keys)
 
     def get(self, key: str) -> torch.Tensor | None:
-        data = self._call(self._client.get, self.prefix + key)
-        if data is None:
+        # At most one byte more than a payload can be: a planted huge value is never fetched whole.
+        limit = serde.max_size(self.fmt.nbytes)
+        data = self._call(self._read, self.prefix + key, limit)
+        if not data:  # (GETRANGE of a missing key is empty)
             return None
         try:
+            if isinstance(data, redis.ResponseError):
+                raise serde.CorruptPayload("corrupt", f"not a string value ({data})")
+            if len(data) > limit:
+                raise serde.CorruptPayload("corrupt", f"larger than a payload ({limit} bytes)")
             return serde.decode(data, self.fmt.fingerprint, self.fmt.dtype, list(self.fmt.shape), key, self.secret)
         except serde.CorruptPayload as exc:
             self.reject(key, exc)
             self._call(self._client.delete, self.prefix + key)
             return None
+
+    def _read(self, name: str, limit: int) -> bytes | redis.ResponseError:
+        try:
+            return self._client.getrange(name, 0, limit)
+        except redis.ResponseError as exc:  # WRONGTYPE: a list or hash planted under our key, not a server down
+            return exc
 
     def put(self, key: str, kv: torch.Tensor) -> None:
         payload = b"".join(serde.encode(kv, self.fmt.fingerprint, self.fmt.shape[2] * self.fmt.shape[3], key,
