@@ -1,6 +1,8 @@
 """OpenAI-compatible request and response bodies (pydantic), with vLLM's extra fields."""
 from __future__ import annotations
 
+import json
+import math
 import re
 import time
 import uuid
@@ -44,12 +46,34 @@ async def read_json_object(raw) -> dict:
         # (nothing a proxy could not encode again for its upstream).
         data = msgspec.json.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BodyError(400, f"request body is not valid JSON: {exc}") from None
+        raise _name_the_field(body) or BodyError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise BodyError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise BodyError(400, "request body must be a JSON object")
     return data
+
+
+def _name_the_field(body: bytes) -> BodyError | None:
+    """For a body only lenient JSON accepts (NaN, Infinity, 1e400, a lone surrogate): the error
+    naming the first field that holds such a value; None when it is not JSON at all."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return BodyError(400, f"{path or 'body'}: must be a finite number", path or None)
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return BodyError(400, f"{path or 'body'}: not valid Unicode (a lone surrogate)", path or None)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((f"{path}.{key}" if path else str(key), item) for key, item in reversed(list(items)))
+    return None
 
 
 def request_id_of(body_value: object, header_value: str | None, prefix: str) -> str:
