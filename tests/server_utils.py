@@ -132,3 +132,11 @@ def leave_when(url: str, body: dict, ready, timeout: float = 30) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     asyncio.run(run())
+
+
+def wait_for(condition, timeout: float = 30, state=lambda: None) -> None:
+    """Polls ``condition()`` until it holds; fails after ``timeout`` seconds showing ``state()``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out: {state()}"
+        time.sleep(0.01)

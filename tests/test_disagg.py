@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
 from engine.kv_transfer.secret import KVSecret
 from tests.disagg_utils import Disagg
-from tests.server_utils import ServerProcess, free_port, leave_when
+from tests.server_utils import ServerProcess, free_port, leave_when, wait_for
 
 ENGINE_ARGS = ("--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny")
 
@@ -321,13 +321,6 @@ def _abort_count(server) -> float:
     return 0.0
 
 
-def _wait_for(condition, timeout: float = 30, state=lambda: None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out: {state()}"
-        time.sleep(0.02)
-
-
 def test_client_disconnect_through_the_proxy(pd):
     """FAULTS 9 via the proxy: leaving mid-stream or mid non-stream aborts the request on D
     (counted once each), and neither P nor D keeps any block (the autouse check waits for both
@@ -340,7 +333,7 @@ def test_client_disconnect_through_the_proxy(pd):
         assert resp.status_code == 200
         lines = resp.iter_lines()  # kept: a line iterator that is dropped closes the connection
         assert next(line for line in lines if line.startswith("data: "))
-        _wait_for(decoding, state=lambda: pd.decode.status()["requests"])
+        wait_for(decoding, state=lambda: pd.decode.status()["requests"])
     pd.wait_idle()
     assert _abort_count(pd.decode) == before + 1
     leave_when(f"{pd.url}/v1/completions", body, decoding)

@@ -16,7 +16,7 @@ from tests.server_utils import ServerProcess
 
 MODEL = "tiny"
 ARGS = ["--served-model-name", MODEL, "--num-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "4",
-        "--role", "decode"]
+        "--role", "decode", "--kv-load-timeout-s", "3"]
 CANONICAL = {"prompt": "The canonical prompt", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 DIGEST = "0" * 64
 PULL = {"do_remote_prefill": True, "remote_kv_addr": "tcp://127.0.0.1:9", "remote_request_id": "x",

@@ -25,6 +25,7 @@ from engine.kv_transfer.stores.cpu import CPUStore
 from engine.kv_transfer.stores.disk import DiskStore
 from engine.kv_transfer.stores.redis import RETRY_S, RedisStore
 from tests.conftest import assert_engine_idle
+from tests.server_utils import wait_for
 
 FMT = ChunkFormat("model-a:float32:bs4", torch.float32, (2, 2, 4, 4, 2, 8))
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -520,13 +521,6 @@ def _store_chunks(store: CPUStore, request, num_chunks: int) -> list[str]:
     return keys
 
 
-def _wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
     from engine.outputs import KVConnectorOutput
     from tests.scheduler_utils import make_request
@@ -553,7 +547,7 @@ def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
         # The worker's lookup ends late: it posts nothing and unpins what it found; any late
         # answer would be ignored.
         store.gate.set()
-        _wait_for(lambda: store.num_contains == 1 and store.num_unpinned == 4)
+        wait_for(lambda: store.num_contains == 1 and store.num_unpinned == 4)
         assert store.num_pinned == 4 and not store._pins
         assert step()[1].lookups == {}
         sched.update_connector_output(KVConnectorOutput(lookups={"a": 4}))
@@ -579,7 +573,7 @@ def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
             sched.request_finished(request, [])
         step()
         assert sched.num_tracked_requests() == 0
-        _wait_for(lambda: not store._pins)
+        wait_for(lambda: not store._pins)
     finally:
         store.gate.set()
         worker.shutdown()
@@ -595,24 +589,24 @@ def test_lookup_answers_follow_the_local_prefix_and_pins_end_with_the_load():
         # Asked with chunks 0-1 local: the answer counts from chunk 2.
         assert sched.get_num_new_matched_tokens(d, 32) is None
         assert [lk.keys for lk in step()[0].lookups] == [keys[2:]]
-        _wait_for(lambda: step()[1].lookups)
+        wait_for(lambda: step()[1].lookups)
         assert sched.get_num_new_matched_tokens(d, 32) == (32, True)
         assert sched.get_num_new_matched_tokens(d, 48) == (16, True)  # the local prefix grew: fine
         assert dict(store._pins) == {keys[2]: 1, keys[3]: 1}  # found chunks are leased to d
         # The local prefix shrank (evicted from the device): ask again from chunk 0.
         assert sched.get_num_new_matched_tokens(d, 0) is None
         assert [lk.keys for lk in step()[0].lookups] == [keys]
-        _wait_for(lambda: step()[1].lookups == {"d": 4})
+        wait_for(lambda: step()[1].lookups == {"d": 4})
         assert sched.get_num_new_matched_tokens(d, 0) == (64, True)
-        _wait_for(lambda: dict(store._pins) == dict.fromkeys(keys, 1))  # the first lease ended
+        wait_for(lambda: dict(store._pins) == dict.fromkeys(keys, 1))  # the first lease ended
         # Admitted with a load: the loader takes the lease over and unpins once it has read.
         sched.update_state_after_alloc(d, list(range(18)), 0, 64)
         meta, _ = step()
         assert not meta.releases and [load.req_id for load in meta.loads] == ["d"]
-        _wait_for(lambda: "d" in step()[1].finished_recving)
+        wait_for(lambda: "d" in step()[1].finished_recving)
         sched.transfer_done("d")
         assert torch.equal(worker.kv[:, :, 12:16], _chunk(3))  # chunk 3's blocks landed
-        _wait_for(lambda: not store._pins)
+        wait_for(lambda: not store._pins)
         # A promise (store-mode disaggregation) decides without a lookup.
         p = make_request("p", 70)
         p.kv_transfer_params = KVTransferParams(kv_store_tokens=48, token_digest=token_digest(p.prompt_token_ids[:48]))
@@ -624,7 +618,7 @@ def test_lookup_answers_follow_the_local_prefix_and_pins_end_with_the_load():
         for request in (d, p, q):
             sched.request_finished(request, [])
         assert sched.num_tracked_requests() == 0
-        _wait_for(lambda: store.num_contains == 3)  # q asked too (p, with its promise, did not)
+        wait_for(lambda: store.num_contains == 3)  # q asked too (p, with its promise, did not)
     finally:
         worker.shutdown()
 

@@ -22,7 +22,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.conftest import RedisServer
 from tests.disagg_utils import Disagg, ProxyProcess
-from tests.server_utils import ServerProcess, free_port, pid_alive
+from tests.server_utils import ServerProcess, free_port, pid_alive, wait_for
 from tests.stress.workload import Job, assert_invariants, make_jobs, run_load
 
 ARGS = ("--num-blocks", "160", "--max-model-len", "2048")
@@ -41,6 +41,12 @@ def reference(stress_model):
         return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
     yield run
     llm.shutdown()
+
+
+def _busy(server: ServerProcess) -> bool:
+    """Requests are open on ``server`` (counted live by its HTTP front: a prefill-only request
+    is done within one engine step, too fast for the engine's own counts to show it)."""
+    return server.status()["requests"]["in_flight_http"] > 0
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 8, headers: dict | None = None,
@@ -136,7 +142,7 @@ def test_prefill_killed_mid_request_with_a_second_prefill(stress_model, referenc
     jobs = [Job(i, _prompt(200 + i, 300 + 20 * i), 8, None) for i in range(16)]
     try:
         task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(proxy.url, jobs, rate=8.0, deadline_s=120))
-        time.sleep(1.0)
+        wait_for(lambda: _busy(p1), state=p1.status)  # P1 is prefilling: requests are in flight to it
         p1.kill()
         summary = task.result(timeout=150)
         for r in summary.results:
@@ -160,7 +166,7 @@ def test_decode_killed_under_load(stress_model):
     jobs = [Job(i, _prompt(400 + i, 200 + 10 * i), 1200, None) for i in range(12)]  # still decoding at 1.5 s
     try:
         task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(cluster.url, jobs, rate=10.0, deadline_s=90))
-        time.sleep(1.5)
+        wait_for(lambda: cluster.decode.status()["requests"]["running"] >= 2, state=cluster.decode.status)
         cluster.decode.kill()
         summary = task.result(timeout=120)
         assert summary.seconds < 90
@@ -181,9 +187,9 @@ def test_redis_killed_mid_run(stress_model, reference, tmp_path):
     jobs = [Job(i, shared[i % 4] + _prompt(600 + i, 30), 12, None) for i in range(40)]
     try:
         task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(server.url, jobs, rate=20.0, deadline_s=120))
-        time.sleep(1.0)
+        wait_for(lambda: server.status()["kv_store"]["redis"]["bytes_stored"] > 0, state=server.status)
         redis_server.kill()
-        time.sleep(1.0)
+        time.sleep(1.0)  # down for a while (any while: this is not a race)
         redis_server.start()
         summary = task.result(timeout=150)
         assert not summary.errors
@@ -262,7 +268,7 @@ def test_sigterm_under_load(stress_model):
     sockets_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-*-in")))
     try:
         task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(server.url, jobs, rate=50.0, deadline_s=60))
-        time.sleep(2.0)
+        wait_for(lambda: _busy(server), state=server.status)  # the streams are open
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         summary = task.result(timeout=60)
