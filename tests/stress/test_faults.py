@@ -154,6 +154,8 @@ def test_prefill_killed_mid_request_with_a_second_prefill(stress_model, referenc
         assert_invariants(p2)
     finally:
         proxy.stop()
+        if p1.proc.poll() is None:  # the test failed before it killed P1
+            p1.kill()
         for server in (p2, decode):
             server.stop()
 
@@ -176,6 +178,8 @@ def test_decode_killed_under_load(stress_model):
     finally:
         cluster.proxy.stop()
         cluster.prefill.stop()
+        if cluster.decode.proc.poll() is None:  # the test failed before it killed D
+            cluster.decode.kill()
 
 
 def test_redis_killed_mid_run(stress_model, reference, tmp_path):
