@@ -7,7 +7,10 @@ no-op connector, so neither side has ``if connector`` branches.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,6 +18,15 @@ import torch
 from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request
+
+
+def queued(jobs: queue.Queue, stop: threading.Event) -> Iterator[Any]:
+    """The jobs of a worker thread, as they come, until ``stop`` is set (seen within 0.1 s)."""
+    while not stop.is_set():
+        try:
+            yield jobs.get(timeout=0.1)
+        except queue.Empty:
+            continue
 
 
 def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -33,7 +33,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.kv_transfer.base import contiguous_runs
+from engine.kv_transfer.base import contiguous_runs, queued
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec
 from engine.kv_transfer.p2p_wire import (
     FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, Auth, Challenge, Chunk, ChunkLayout, Hello, HelloReply, Pull,
@@ -120,11 +120,7 @@ class P2PConsumer:
     def _pull_loop(self) -> None:
         peers: dict[str, Peer] = {}
         try:
-            while not self._stop.is_set():
-                try:
-                    job = self._jobs.get(timeout=0.1)
-                except queue.Empty:
-                    continue
+            for job in queued(self._jobs, self._stop):
                 if isinstance(job, ReleaseSpec):  # fire and forget, the lease is the backstop
                     addr = job.remote_addr
                     if addr not in peers:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_transfer.base import KVConnectorWorker, contiguous_runs
+from engine.kv_transfer.base import KVConnectorWorker, contiguous_runs, queued
 from engine.kv_transfer.stores.base import KVStore
 from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
 from engine.outputs import KVConnectorOutput
@@ -226,11 +226,7 @@ class TieredConnectorWorker(KVConnectorWorker):
 
     # ---- lookup threads ------------------------------------------------------------------
     def _lookup_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                job = self._lookup_jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
+        for job in queued(self._lookup_jobs, self._stop):
             try:
                 if isinstance(job, _UnpinJob):
                     self.tiers.unpin(job.keys)
@@ -260,11 +256,7 @@ class TieredConnectorWorker(KVConnectorWorker):
 
     # ---- loader threads ------------------------------------------------------------------
     def _load_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                load = self._loads.get(timeout=0.1)
-            except queue.Empty:
-                continue
+        for load in queued(self._loads, self._stop):
             keys = [chunk.key for chunk in load.chunks]
             self.tiers.pin(keys)  # from here to the end of the load, eviction cannot take them
             with self._lock:
