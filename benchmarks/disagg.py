@@ -25,6 +25,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
+from engine.kv_transfer.base import allocate_kv_tensor  # noqa: E402
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, SendSpec, ipc_path  # noqa: E402
 from engine.kv_transfer.p2p_worker import P2PConnectorWorker  # noqa: E402
 from engine.kv_transfer.secret import KVSecret, new_secret  # noqa: E402
@@ -78,15 +79,16 @@ def connector_gbps(num_blocks: int, use_tcp: bool, scattered: bool = False, encr
     secret = KVSecret(new_secret())
     producer = P2PConnectorWorker("p", "fp", "127.0.0.1", port, secret=secret, encrypt=encrypt)
     consumer = P2PConnectorWorker("d", "fp", None, None, secret=secret, encrypt=encrypt)
-    producer_kv = producer.allocate_kv_cache(shape, torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    producer_kv = allocate_kv_tensor(shape, torch.float32, cpu, producer.kv_cache_file(shape, torch.float32, cpu))
     producer_kv.copy_(torch.randn(shape))
     producer.register_kv_caches(producer_kv)
-    consumer.register_kv_caches(consumer.allocate_kv_cache(shape, torch.float32, torch.device("cpu")))
+    consumer.register_kv_caches(allocate_kv_tensor(shape, torch.float32, cpu))
     addr = f"tcp://127.0.0.1:{port}" if use_tcp else ipc_path(port)
     best = 0.0
     for trial in range(3):
         rid = f"r{trial}"
-        producer.start_load_kv(P2PMetadata(sends=[SendSpec(rid, list(range(num_blocks)), num_blocks * BLOCK,
+        producer.save_kv(P2PMetadata(sends=[SendSpec(rid, list(range(num_blocks)), num_blocks * BLOCK,
                                                            time.monotonic() + 60, "bench")]))
         dst = list(range(8, 8 + num_blocks))
         if scattered:
@@ -174,14 +176,17 @@ def serving(model: str | None, lengths: list[int], requests: int) -> list[tuple]
                 stream_latency(url, [100 + i for i in range(n)], 4)  # warm-up at this length
             ttfts: dict[str, list[float]] = {name: [] for name, _ in targets}
             itls: dict[str, list[float]] = {name: [] for name, _ in targets}
+            second: dict[str, list[float]] = {name: [] for name, _ in targets}  # first -> second token
             for r in range(requests):
                 # Interleaved, so drift in this machine's speed hits both setups alike.
                 prompt = [1000 + (r * 7919 + i * 31) % 40000 for i in range(n)]  # distinct: no prefix hits
                 for name, url in targets:
                     ttft, gaps = stream_latency(url, prompt, 16)
                     ttfts[name].append(ttft)
-                    itls[name] += gaps
-            stats = {name: (statistics.median(ttfts[name]), statistics.median(itls[name])) for name, _ in targets}
+                    itls[name] += gaps[1:]
+                    second[name].append(gaps[0])
+            stats = {name: (statistics.median(ttfts[name]), statistics.median(itls[name]),
+                            statistics.median(second[name])) for name, _ in targets}
             rows.append((n, *stats["colocated"], *stats["P->D"]))
             print(f"prompt {n}: colocated TTFT {stats['colocated'][0] * 1e3:.0f} ms, "
                   f"P->D {stats['P->D'][0] * 1e3:.0f} ms", flush=True)
@@ -227,12 +232,13 @@ def main() -> None:
 
     if not args.skip_serving:
         rows = serving(args.model, args.lengths, args.requests)
-        print("\n| prompt tokens | colocated TTFT ms | P->D TTFT ms | overhead | colocated ITL ms | P->D ITL ms |")
-        print("|---|---|---|---|---|---|")
+        print("\n| prompt tokens | colocated TTFT ms | P->D TTFT ms | overhead | colocated ITL ms | P->D ITL ms "
+              "| colocated 1st->2nd token ms | P->D 1st->2nd token ms |")
+        print("|---|---|---|---|---|---|---|---|")
         mixed = rows.pop()[1] if rows and rows[-1][0] == "mixed" else {}
-        for n, c_ttft, c_itl, d_ttft, d_itl in rows:
+        for n, c_ttft, c_itl, c_second, d_ttft, d_itl, d_second in rows:
             print(f"| {n} | {c_ttft * 1e3:.0f} | {d_ttft * 1e3:.0f} | {(d_ttft - c_ttft) / c_ttft:+.1%} | "
-                  f"{c_itl * 1e3:.1f} | {d_itl * 1e3:.1f} |")
+                  f"{c_itl * 1e3:.1f} | {d_itl * 1e3:.1f} | {c_second * 1e3:.0f} | {d_second * 1e3:.0f} |")
         if mixed:
             print(f"\nMixed load ({MIXED_SECONDS:.0f} s: 4 short streams decoding while a 2048-token prompt "
                   "arrives every 4 s), ITL of the short streams:\n")

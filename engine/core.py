@@ -46,7 +46,8 @@ class EngineCore:
                                             f"(--max-queue-len {self.max_queue_len}); try again later")
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, OutputKind.DELTA,
-                                    kv_transfer_params=msg.kv_transfer_params)
+                                    kv_transfer_params=msg.kv_transfer_params,
+                                    first_tokens_shown=msg.first_tokens_shown)
         except InvalidRequestError as exc:
             return Ack(msg.request_id, 400, str(exc), exc.param)
         except ValueError as exc:
@@ -78,14 +79,14 @@ class EngineCore:
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         kv = self.engine.kv_cache_manager
-        moved, failures, seconds = self.engine.runner.connector.transfer_stats()
+        (moved, failures, seconds), auth_failures, store_stats = self.engine.runner.kv_connector_stats()
         return EngineStats(
             kv_blocks_held=sum(len(kv.get_block_ids(r)) for r in scheduler.held),
             num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv, num_held=len(scheduler.held),
             num_tracked_requests=self.engine.num_tracked_requests(),
             kv_transfer_bytes=moved, kv_transfer_failures=failures, kv_transfer_seconds=seconds,
-            kv_auth_failures=self.engine.runner.connector.auth_failures(),
-            kv_store={tier: TierStats(**t) for tier, t in self.engine.runner.connector.store_stats().items()},
+            kv_auth_failures=auth_failures,
+            kv_store={tier: TierStats(**t) for tier, t in store_stats.items()},
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks, kv_cache_usage=kv.usage,

@@ -21,6 +21,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     arrival_time: float
     kv_transfer_params: KVTransferParams | None = None
+    first_tokens_shown: bool = False  # see LLMEngine.add_request
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

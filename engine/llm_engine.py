@@ -8,6 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 from transformers import AutoTokenizer
 
 from engine.block_pool import BlockHasher, root_block_hash
@@ -16,9 +17,11 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import NoOpConnectorWorker
+from engine.kv_transfer.multi import MultiConnectorScheduler, MultiConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
 from engine.kv_transfer.params import (
     KVTransferParams, KVTransferParamsError, check_kv_transfer_params_signature, parse_kv_transfer_params,
+    sign_kv_transfer_params, token_digest,
 )
 from engine.kv_transfer.p2p_worker import STAGING_BYTES, P2PConnectorWorker
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
@@ -30,7 +33,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.worker import loader
 from engine.worker.backends import KV_LAYOUT
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from engine.worker.models.llama import ModelConfig
 
 logger = logging.getLogger("engine")
 
@@ -55,6 +59,13 @@ class _Child:
     stop_reason: int | str | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    first_entries: list | None = None  # the first token's raw logprob entries (for a hand-off)
+    reported_finish: bool = False  # its finish went out in a delta: later deltas leave it out
+
+    @property
+    def shown_finish_reason(self) -> str | None:
+        """What a client is told: a sequence handed to another instance has not finished for it."""
+        return None if self.finish_reason == HANDED_OFF else self.finish_reason
 
 
 @dataclass
@@ -69,10 +80,14 @@ class _RequestState:
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None
+    hands_off: bool = False  # a prefill instance's request: its first tokens go to a decode instance
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children.values())
+
+
+HANDED_OFF = RequestStatus.FINISHED_HANDED_OFF.finish_reason
 
 
 class LLMEngine:
@@ -92,36 +107,37 @@ class LLMEngine:
 
         transfer = config.kv_transfer_config
         uses_p2p = transfer is not None and transfer.kv_connector == "p2p"
-        self.runner = ModelRunner(config, model_dir, self.eos_token_ids,
-                                  reserved_bytes=STAGING_BYTES if uses_p2p else 0)
+        if transfer is not None and transfer.kv_connector not in (None, "p2p"):
+            raise ValueError(f"unknown kv_connector {transfer.kv_connector!r}; available: p2p")
+        model_config = ModelConfig.from_hf(hf_config)
+        dtype = resolve_dtype(config.dtype, resolve_device(config.device))
         # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
         # (Every attention backend shares it, so a CPU prefill and a flash-attn decode of the same
         # dtype are compatible.)
-        self.fingerprint = (f"{loader.model_fingerprint(model_dir)}:{self.runner.dtype}:"
-                            f"bs{config.block_size}:{KV_LAYOUT}")
-        self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
-        connector = None
-        if uses_p2p and config.kv_store:
-            raise ValueError("--kv-store cannot be combined with --role prefill/decode yet: use one or the other "
-                             "(both instances pointed at one Redis also disaggregate prefill)")
+        self.fingerprint = f"{loader.model_fingerprint(model_dir)}:{dtype}:bs{config.block_size}:{KV_LAYOUT}"
+        self.engine_id = uuid.uuid4().hex[:12]
+        connector, connector_worker = None, NoOpConnectorWorker()
         if uses_p2p:
-            self.engine_id = uuid.uuid4().hex[:12]
             port = transfer.kv_port if transfer.kv_role in ("kv_producer", "kv_both") else None
             if transfer.kv_role == "kv_producer" and port is None:
                 raise ValueError("a KV producer (--role prefill) needs --kv-port")
             connector = P2PConnectorScheduler(transfer, self.engine_id, port and f"tcp://{transfer.kv_ip}:{port}",
-                                              config.block_size, config.kv_secret)
-            self.runner.set_connector(P2PConnectorWorker(self.engine_id, self.fingerprint, transfer.kv_ip, port,
-                                                         secret=config.kv_secret,
-                                                         encrypt=bool(transfer.extra.get("encrypt", False))))
-        elif config.kv_store:
-            connector = self._tiered_connector(config)
-        elif transfer is not None and transfer.kv_connector is not None:
-            raise ValueError(f"unknown kv_connector {transfer.kv_connector!r}; available: p2p")
-        else:
-            self.runner.set_connector(NoOpConnectorWorker())
+                                              config.block_size)
+            connector_worker = P2PConnectorWorker(self.engine_id, self.fingerprint, transfer.kv_ip, port,
+                                                  secret=config.kv_secret,
+                                                  encrypt=bool(transfer.extra.get("encrypt", False)))
+        if config.kv_store:
+            tiered, tiered_worker = self._tiered_connector(config, model_config, dtype)
+            if connector is None:
+                connector, connector_worker = tiered, tiered_worker
+            else:  # P2P first; the tiers behind it (a decode falls back to them when a pull fails)
+                connector = MultiConnectorScheduler([connector, tiered])
+                connector_worker = MultiConnectorWorker([connector_worker, tiered_worker])
+        self.runner = ModelRunner(config, model_dir, self.eos_token_ids, connector_worker,
+                                  reserved_bytes=STAGING_BYTES if uses_p2p else 0)
+        self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector)
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:
@@ -132,17 +148,19 @@ class LLMEngine:
         self.last_num_scheduled_tokens = 0
         self._states: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
+        # Requests that finished as they were added (every first token from the prefill ended
+        # its sequence): their output goes out with the next step.
+        self._finished_on_arrival: list[_RequestState] = []
 
-    def _tiered_connector(self, config: EngineConfig) -> TieredConnectorScheduler:
-        cfg = self.runner.model_config
+    def _tiered_connector(self, config: EngineConfig, cfg: ModelConfig,
+                          dtype) -> tuple[TieredConnectorScheduler, TieredConnectorWorker]:
         blocks_per_chunk = config.kv_chunk_tokens // config.block_size
-        fmt = ChunkFormat(self.fingerprint, self.runner.dtype,
+        fmt = ChunkFormat(self.fingerprint, dtype,
                           (cfg.num_layers, 2, blocks_per_chunk, config.block_size, cfg.num_kv_heads, cfg.head_dim))
         tiers = TieredStore(parse_store_spec(config.kv_store, fmt, config.kv_store_ttl_s, config.kv_secret))
         logger.info("KV store tiers: %s (%d-token chunks of %.1f MiB)", ", ".join(s.name for s in tiers.stores),
                     config.kv_chunk_tokens, fmt.nbytes / 2**20)
-        self.runner.set_connector(TieredConnectorWorker(tiers))
-        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens, secret=config.kv_secret)
+        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens), TieredConnectorWorker(tiers)
 
     def _eos_token_ids(self, hf_config: dict, gen_config: dict) -> frozenset[int]:
         ids: set[int] = set()
@@ -189,9 +207,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY, arrival_time: float | None = None,
-                    kv_transfer_params: KVTransferParams | dict | None = None) -> None:
+                    kv_transfer_params: KVTransferParams | dict | None = None,
+                    first_tokens_shown: bool = False) -> None:
         """Queue a request. Raises InvalidRequestError (a ValueError) for a bad one; then
-        nothing was queued."""
+        nothing was queued. With ``kv_transfer_params.first_token_ids`` (from a prefill
+        instance) each sequence continues from its first token; ``first_tokens_shown``: the
+        client was already shown them (as far as the stop strings allowed), so the deltas go on
+        after them."""
         try:
             kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
             check_kv_transfer_params_signature(kv_transfer_params, self.config.kv_secret)
@@ -210,28 +232,86 @@ class LLMEngine:
                                       "finished); use a new id", "request_id")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_token_ids, params)
+        first_tokens = self._first_tokens(kv_transfer_params, params, prompt_token_ids)
+        # A prefill instance's request ends after its first token and hands off to a decode instance.
+        hands_off = kv_transfer_params is not None and kv_transfer_params.do_remote_decode and first_tokens is None
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        children: dict[str, _Child] = {}
+        state = _RequestState(request_id, prompt_text, prompt_token_ids, kind, {}, arrival_time, hands_off=hands_off)
+        requests: list[Request] = []
         tokenizer = self.tokenizer._tokenizer
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            # The n samples share one prompt, so one KV transfer: the first sample pulls it (or
-            # offers it), the others wait for it to land and then hit the prefix cache.
-            leads = index == 0 or kv_transfer_params is None
             # The n samples differ through their seeds; a seeded request stays reproducible.
             # (seed + index, wrapped into the 64-bit signed range every seed must stay in)
             child_params = params if params.n == 1 or params.seed is None else params.replace(
                 seed=(params.seed + index + 2**63) % 2**64 - 2**63)
-            children[child_id] = _Child(index, IncrementalDetokenizer(tokenizer, prompt_token_ids, child_params),
-                                        logprobs=[] if params.logprobs is not None else None,
-                                        cumulative_logprob=0.0 if params.logprobs is not None else None)
+            child = state.children[child_id] = _Child(
+                index, IncrementalDetokenizer(tokenizer, prompt_token_ids, child_params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            request = Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, max_tokens,
+                              self.block_hasher, arrival_time, hands_off=hands_off)
+            if first_tokens is not None and self._start_from_first_token(child, request, *first_tokens[index],
+                                                                         shown=first_tokens_shown):
+                continue  # its first token ended it
+            requests.append(request)
+        # The n samples share one prompt, so one KV transfer: the first running sample pulls it
+        # (or offers it), the others wait for it to land and then hit the prefix cache.
+        for request in requests:
+            leads = request is requests[0] or kv_transfer_params is None
+            request.kv_transfer_params = kv_transfer_params if leads else None
+            request.kv_leader = None if leads else requests[0].request_id
+        for child_id in state.children:
             self._child_to_parent[child_id] = request_id
-            self.scheduler.add_request(Request(
-                child_id, prompt_token_ids, child_params, self.eos_token_ids, max_tokens,
-                self.block_hasher, arrival_time, kv_transfer_params if leads else None,
-                kv_leader=None if leads else child_ids[0]))
-        self._states[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, kind, children,
-                                                  arrival_time)
+        for request in requests:
+            self.scheduler.add_request(request)
+        self._states[request_id] = state
+        if not requests:
+            self._finished_on_arrival.append(state)
+
+    def _first_tokens(self, kv_transfer_params: KVTransferParams | None, params: SamplingParams,
+                      prompt_token_ids: list[int]) -> list[tuple[int, list | None]] | None:
+        """(token, logprob entries) per sequence, when a prefill instance sampled the first tokens
+        for this very prompt (parameters replayed with another prompt bring none: it samples its own)."""
+        if kv_transfer_params is None or kv_transfer_params.first_token_ids is None:
+            return None
+        ids, entries = kv_transfer_params.first_token_ids, kv_transfer_params.first_logprobs
+        field = "kv_transfer_params.first_token_ids"
+        if len(ids) != params.n:
+            raise InvalidRequestError(f"{field} has {len(ids)} tokens for n={params.n} sequences", field)
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} in {field} is out of vocabulary (size {self.vocab_size})",
+                                      field)
+        if entries is not None and any(not e or e[0][0] != t or any(i >= self.vocab_size for i, _, _ in e)
+                                       for t, e in zip(ids, entries)):
+            raise InvalidRequestError("kv_transfer_params.first_logprobs must hold, per first token, that token's "
+                                      "entry first and in-vocabulary tokens only", "kv_transfer_params.first_logprobs")
+        if params.logprobs is None:
+            entries = None
+        elif entries is None:
+            raise InvalidRequestError("this request asks for logprobs but kv_transfer_params.first_logprobs is "
+                                      "missing", "kv_transfer_params.first_logprobs")
+        if kv_transfer_params.first_tokens_digest != token_digest(prompt_token_ids):
+            return None
+        return [(t, entries[i] if entries is not None else None) for i, t in enumerate(ids)]
+
+    def _start_from_first_token(self, child: _Child, request: Request, token: int, entries: list | None,
+                                shown: bool) -> bool:
+        """Continue a sequence whose first token the prefill instance sampled, exactly as if it
+        had been sampled here. Returns whether that token ended the sequence."""
+        request.append_output_token_id(token)
+        self._apply_tokens(child, [token], [entries] if entries is not None else None)
+        matched = child.detok.update([token])
+        status = request.check_stop(self.max_model_len)
+        if matched is not None or status is not None:
+            child.finish_reason = "stop" if matched is not None else status.finish_reason
+            child.stop_reason = matched if matched is not None else request.stop_reason
+            return True
+        if shown:  # what the prefill's answer showed (the same text: same detokenizer, same tokens)
+            child.detok.next_delta(False)
+            child.new_logprobs.clear()  # (the token still counts in the usage)
+        return False
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (by the id given to add_request); their blocks are freed now."""
@@ -257,18 +337,18 @@ class LLMEngine:
                 + len(self.kv_cache_manager.req_to_blocks) + scheduler.connector.num_tracked_requests())
 
     def shutdown(self) -> None:
-        self.runner.connector.shutdown()
+        self.runner.shutdown()
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.runner.connector.start_load_kv(self.scheduler.flush_connector_metadata())
         return self._process_outputs(core_outputs)
 
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, _RequestState] = {s.request_id: s for s in self._finished_on_arrival}
+        self._finished_on_arrival = []
         for out in core_outputs:
             parent_id = self._child_to_parent.get(out.req_id)
             state = self._states.get(parent_id) if parent_id is not None else None
@@ -285,6 +365,8 @@ class LLMEngine:
         results = []
         for state in touched.values():
             finished = state.finished
+            if finished and state.hands_off:
+                self._hand_off(state)
             if state.kind is not OutputKind.FINAL_ONLY or finished:
                 results.append(self._make_output(state, finished))
             if finished:
@@ -301,35 +383,66 @@ class LLMEngine:
             state.error = out.error
         if state.queue_time is None:
             state.queue_time = out.queue_time
-        child.token_ids.extend(out.new_token_ids)
-        child.new_token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None and child.logprobs is not None:
-            for entries in out.new_logprobs:
-                decoded = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
-                child.logprobs.append(decoded)
-                child.new_logprobs.append(decoded)
-                child.cumulative_logprob += entries[0][1]
+        if state.hands_off and out.new_logprobs and child.first_entries is None:
+            child.first_entries = out.new_logprobs[0]
+        self._apply_tokens(child, out.new_token_ids, out.new_logprobs)
         matched = child.detok.update(out.new_token_ids)
-        if matched is not None and out.finish_reason is None:
-            # A stop string ends the request here; the scheduler frees it now.
+        if matched is not None and out.finish_reason not in ("abort", "error"):
+            # A stop string ends the request here (also when the same token reached max_tokens
+            # or was EOS: the stop string is why the text ends); the scheduler frees it now.
             self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
             child.finish_reason, child.stop_reason = "stop", matched
         elif out.finish_reason is not None:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
-            if matched is not None:
-                child.stop_reason = matched
+
+    def _apply_tokens(self, child: _Child, token_ids: list[int], logprobs: list | None) -> None:
+        child.token_ids.extend(token_ids)
+        child.new_token_ids.extend(token_ids)
+        if logprobs is not None and child.logprobs is not None:
+            for entries in logprobs:
+                decoded = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
+                child.logprobs.append(decoded)
+                child.new_logprobs.append(decoded)
+                child.cumulative_logprob += entries[0][1]
+
+    def _hand_off(self, state: _RequestState) -> None:
+        """A prefill instance's request has its first tokens: the parameters a decode instance
+        continues it from. If every sequence ended with its first token, the answer is final
+        here and the KV offered is withdrawn; the first tokens still go along (a list of
+        prompts may continue in part)."""
+        leader = next(iter(state.children))
+        continuing = any(c.finish_reason == HANDED_OFF for c in state.children.values())
+        kv = state.kv_transfer_params
+        if not continuing or state.error is not None or kv is None:
+            self.scheduler.withdraw_kv(leader)
+            kv = KVTransferParams()
+        children = sorted(state.children.values(), key=lambda c: c.index)
+        if state.error is not None or not all(c.token_ids for c in children):
+            state.kv_transfer_params = None
+            return
+        entries = [c.first_entries for c in children]
+        params = msgspec.structs.replace(
+            kv, first_token_ids=[c.token_ids[0] for c in children],
+            first_tokens_digest=token_digest(state.prompt_token_ids),
+            first_logprobs=entries if all(e is not None for e in entries) else None)
+        state.kv_transfer_params = sign_kv_transfer_params(params, self.config.kv_secret,
+                                                           self.scheduler.connector.params_ttl_s)
 
     def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
         outputs = []
         for child in state.children.values():
             delta = state.kind is OutputKind.DELTA
-            delta_text = child.detok.next_delta(child.finish_reason is not None)
-            text = delta_text if delta else child.detok.sent_text
-            if delta and not child.new_token_ids and not text and child.finish_reason is None:
+            reason = child.shown_finish_reason
+            if delta and child.reported_finish:
                 continue
+            delta_text = child.detok.next_delta(reason is not None)
+            text = delta_text if delta else child.detok.sent_text
+            if delta and not child.new_token_ids and not text and reason is None:
+                continue
+            child.reported_finish = reason is not None
             outputs.append(CompletionOutput(
                 child.index, text, list(child.new_token_ids if delta else child.token_ids),
-                child.finish_reason, child.stop_reason,
+                reason, child.stop_reason,
                 list(child.new_logprobs) if delta and child.logprobs is not None else child.logprobs,
                 child.cumulative_logprob))
             child.new_token_ids.clear()

@@ -49,9 +49,10 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
     failure_reasons: dict[str, str] = field(default_factory=dict)
-    # Store lookups answered since the last step: request id -> how many consecutive chunks,
-    # from the first one asked, some tier holds (and the worker pinned for the request).
-    lookups: dict[str, int] = field(default_factory=dict)
+    # Store lookups answered since the last step: request id -> (how many consecutive chunks,
+    # from the first one asked, some tier holds; blocks of the longest trailing chunk found
+    # after them, 0 if none). The worker pinned them for the request.
+    lookups: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -19,6 +19,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
+    # Its first token is sampled and the prompt's KV is offered: another instance continues it.
+    FINISHED_HANDED_OFF = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +36,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_HANDED_OFF: "handed_off",  # never shown to a client: not finished for it
 }
 
 
@@ -56,6 +59,7 @@ class Request:
         arrival_time: float | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         kv_leader: str | None = None,
+        hands_off: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,6 +70,9 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         # Another of the same n samples that loads the shared prompt's KV: wait for it.
         self.kv_leader = kv_leader
+        # A prefill instance's request (do_remote_decode): it ends after its first token unless
+        # that token ends it anyway, and a decode instance continues it.
+        self.hands_off = hands_off
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -111,4 +118,4 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
-        return None
+        return RequestStatus.FINISHED_HANDED_OFF if self.hands_off else None

@@ -46,6 +46,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
         self.connector = connector or NoOpConnectorScheduler()
+        self.connector.block_ids_of = kv_cache_manager.get_block_ids
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -305,6 +306,7 @@ class Scheduler:
         self.connector.update_connector_output(kv_out)
         outputs = []
         for req_id in kv_out.finished_sending:
+            self.connector.send_done(req_id)
             request = self.held.pop(req_id, None)
             if request is not None:
                 logger.debug("request %s: KV transfer done, held blocks freed", req_id)
@@ -359,13 +361,18 @@ class Scheduler:
 
     # ---- introspection -----------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        # Held requests count: steps must keep running until their transfers report back.
-        return bool(self.requests) or bool(self._pending_outputs) or bool(self.held)
+        # Held requests count: steps must keep running until their transfers report back; so
+        # does connector work that only the next step's metadata delivers.
+        return (bool(self.requests) or bool(self._pending_outputs) or bool(self.held)
+                or self.connector.has_pending_metadata())
 
-    def flush_connector_metadata(self):
-        """Connector work created by this step's finished requests (a prefill's KV to offer),
-        handed to the worker before the step's outputs reach anyone who could ask for it."""
-        return self.connector.build_connector_meta(None)
+    def withdraw_kv(self, req_id: str) -> None:
+        """A handed-off request turned out final (a stop string in its first token, or every
+        sequence of its group ended): the KV it offers is freed as soon as the worker lets go."""
+        request = self.held.get(req_id)
+        if request is not None and not self.connector.withdraw(req_id):
+            del self.held[req_id]
+            self.kv.free(request)
 
     @property
     def num_running(self) -> int:

@@ -216,7 +216,10 @@ class OpenAIServer:
         try:
             for i, prompt_ids in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.client.add_request(sub_id, prompt_ids, params, kv_params[i]))
+                # A streaming client of a decode instance (the proxy) has shown the first tokens
+                # the prefill instance sampled: the stream goes on after them.
+                streams.append(await self.client.add_request(sub_id, prompt_ids, params, kv_params[i],
+                                                             first_tokens_shown=bool(request.stream)))
         except EngineRequestError as exc:
             for s in streams:
                 s.close()

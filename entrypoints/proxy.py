@@ -1,11 +1,14 @@
 """`engine proxy`: an OpenAI-compatible front that sends each request through a prefill
 instance, then a decode instance.
 
-1. P gets the request with max_tokens=1, stream=false and kv_transfer_params
-   {"do_remote_decode": true}; it computes the prompt's KV, holds it under a lease, and returns
-   kv_transfer_params saying where to pull it.
-2. D gets the original request plus those params, pulls the KV into its own cache and streams
-   the answer, which is passed through to the client.
+1. P gets the client's request (stream=false) with kv_transfer_params {"do_remote_decode":
+   true}: it computes the prompt's KV and samples the first token of every sequence with the
+   client's own parameters, holds the KV under a lease, and returns those first tokens with
+   kv_transfer_params saying where the KV is.
+2. If every first token ended its sequence (EOS, a stop, max_tokens 1), P's answer is the answer
+   and D is never called. Otherwise a streaming client gets the first tokens at once, and D
+   gets the original request plus those params: it pulls the KV into its own cache, continues
+   from the first tokens, and its answer (whole, or the rest of the stream) is passed through.
 
 Every upstream call has a deadline; upstream errors reach the client as OpenAI error bodies
 (never an empty 200); a client that disconnects closes the upstream connection, which aborts
@@ -81,15 +84,9 @@ class Proxy:
         return error_response(502, f"{role} {upstream.url} failed: {type(exc).__name__}: {exc}")
 
     async def prefill(self, path: str, body: dict, headers: dict) -> dict | JSONResponse:
-        """Run the prompt on a prefill instance; returns its kv_transfer_params or an error."""
-        p_body = {**body, "max_tokens": 1, "stream": False, "n": 1,
-                  "kv_transfer_params": {"do_remote_decode": True}}
+        """Run the prompt on a prefill instance; returns its answer (with kv_transfer_params) or an error."""
+        p_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         p_body.pop("stream_options", None)
-        if "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
-        min_tokens = body.get("min_tokens")
-        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 1:
-            p_body["min_tokens"] = 1  # P samples one token; D enforces the client's min_tokens
         last_error = None
         for upstream in self.ordered(self.prefills):
             upstream.in_flight += 1
@@ -104,11 +101,11 @@ class Proxy:
                 upstream.in_flight -= 1
             if resp.status_code != 200:
                 return _passthrough_error(resp)
-            params = resp.json().get("kv_transfer_params")
-            if not params:
+            answer = resp.json()
+            if not answer.get("kv_transfer_params"):
                 return error_response(502, f"prefill {upstream.url} returned no kv_transfer_params "
                                            "(is it running with --role prefill?)")
-            return params
+            return answer
         return last_error
 
     async def handle(self, raw: Request, path: str) -> Response:
@@ -120,14 +117,23 @@ class Proxy:
         body["request_id"] = request_id
         headers = self._headers(raw, request_id)
         started = time.monotonic()
-        params = await _until_disconnect(raw, self.prefill(path, body, headers))
-        if isinstance(params, Response):
-            return params
+        answer = await _until_disconnect(raw, self.prefill(path, body, headers))
+        if isinstance(answer, Response):
+            return answer
         logger.info("%s prefilled in %.3fs", request_id, time.monotonic() - started)
+        params = answer.pop("kv_transfer_params")
+        first = FirstTokens(answer, chat=path.endswith("chat/completions"))
+        if first.final:  # every sequence ended with its first token: P's answer is the answer
+            if body.get("stream"):
+                include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
+                    "include_usage")
+                return StreamingResponse(_replay(first.final_stream(include_usage)), media_type="text/event-stream",
+                                         headers={"X-Request-Id": request_id})
+            return JSONResponse(answer, headers={"X-Request-Id": request_id})
         d_body = {**body, "kv_transfer_params": params}
         upstream = self.ordered(self.decodes)[0]
         if body.get("stream"):
-            return await self._stream_decode(upstream, path, d_body, headers, request_id)
+            return await self._stream_decode(upstream, path, d_body, headers, request_id, first)
         return await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
 
     async def _decode(self, upstream: Upstream, path: str, body: dict, headers: dict) -> Response:
@@ -144,24 +150,30 @@ class Proxy:
                         headers={"X-Request-Id": headers["X-Request-Id"]})
 
     async def _stream_decode(self, upstream: Upstream, path: str, body: dict, headers: dict,
-                             request_id: str) -> Response:
-        upstream.in_flight += 1
-        try:
-            resp = await self.http.send(self.http.build_request("POST", f"{upstream.url}{path}", json=body,
-                                                                headers=headers), stream=True)
-        except httpx.HTTPError as exc:
-            upstream.in_flight -= 1
-            return self._upstream_error("decode", upstream, exc)
-        if resp.status_code != 200:
-            await resp.aread()
-            await resp.aclose()
-            upstream.in_flight -= 1
-            return _passthrough_error(resp)
-
+                             request_id: str, first: "FirstTokens") -> Response:
         async def relay():
+            # The first tokens go out before D is even asked.
+            if first.chat:
+                yield first.role_chunk()
+            yield first.continuing_chunk()
+            upstream.in_flight += 1
             try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
+                resp = await self.http.send(self.http.build_request(
+                    "POST", f"{upstream.url}{path}", json=body, headers=headers), stream=True)
+            except httpx.HTTPError as exc:
+                upstream.in_flight -= 1
+                yield _error_event(self._upstream_error("decode", upstream, exc))
+                return
+            try:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    yield _error_event(_passthrough_error(resp))
+                    return
+                events = _sse_events(resp.aiter_raw())
+                if first.chat:  # D's own role chunk: the client had ours
+                    await anext(events, None)
+                async for event in events:
+                    yield event
             except httpx.HTTPError as exc:  # D died or stalled mid-stream: tell the client, then end
                 err = {"error": {"message": f"decode {upstream.url} failed mid-stream: {type(exc).__name__}",
                                  "type": "upstream_error", "param": None, "code": 502}}
@@ -184,6 +196,73 @@ class Proxy:
         body = {"prefill": dict(zip((u.url for u in self.prefills), p)),
                 "decode": dict(zip((u.url for u in self.decodes), d))}
         return JSONResponse(body, status_code=200 if any(p) and any(d) else 503)
+
+
+class FirstTokens:
+    """P's answer (its first tokens) as the stream chunks a client expects, in the format the
+    API server streams: for chat a role chunk, then content deltas."""
+
+    def __init__(self, answer: dict, chat: bool) -> None:
+        self.answer, self.chat = answer, chat
+        self.choices = answer.get("choices") or []
+        self.final = all(c.get("finish_reason") is not None for c in self.choices)
+
+    def _chunk(self, choices: list[dict], **extra) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        a = self.answer
+        return _event({"id": a.get("id"), "object": obj, "created": a.get("created"), "model": a.get("model"),
+                       "choices": choices, **extra})
+
+    def _delta(self, choice: dict, finish: bool) -> dict:
+        reason = choice.get("finish_reason") if finish else None
+        stop_reason = choice.get("stop_reason") if finish else None
+        if self.chat:
+            content = (choice.get("message") or {}).get("content") or ""
+            delta = {"content": content} if content or reason is None else {}
+            return {"index": choice["index"], "delta": delta, "logprobs": choice.get("logprobs"),
+                    "finish_reason": reason, "stop_reason": stop_reason}
+        return {"index": choice["index"], "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
+                "finish_reason": reason, "stop_reason": stop_reason}
+
+    def role_chunk(self) -> bytes:
+        return self._chunk([{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for c in self.choices])
+
+    def continuing_chunk(self) -> bytes:
+        """The sequences D continues; those that ended with their first token come from D whole."""
+        return self._chunk([self._delta(c, finish=False) for c in self.choices if c.get("finish_reason") is None])
+
+    def final_stream(self, include_usage: bool) -> list[bytes]:
+        events = [self.role_chunk()] if self.chat else []
+        events.append(self._chunk([self._delta(c, finish=True) for c in self.choices]))
+        if include_usage:
+            events.append(self._chunk([], usage=self.answer.get("usage")))
+        return events + [b"data: [DONE]\n\n"]
+
+
+def _event(data: dict) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+def _error_event(resp: JSONResponse) -> bytes:
+    return bytes(b"data: " + resp.body + b"\n\ndata: [DONE]\n\n")
+
+
+async def _replay(events: list[bytes]):
+    for event in events:
+        yield event
+
+
+async def _sse_events(raw):
+    """Server-sent events (each ending in a blank line) out of a byte stream."""
+    buffer = b""
+    async for data in raw:
+        buffer += data
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            yield event + b"\n\n"
+    if buffer:
+        yield buffer
 
 
 def _passthrough_error(resp: httpx.Response) -> Response:

@@ -59,8 +59,8 @@ def test_a_stranger_on_the_kv_port_and_the_decode_api(tiny_llama, colocated):
     ctx = zmq.Context()
     try:
         victim = _prompt(1, 80)
-        held = _complete(cluster.prefill.url, victim, max_tokens=1,
-                         kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
+        held = _complete(cluster.prefill.url, victim, kv_transfer_params={"do_remote_decode": True}
+                         ).json()["kv_transfer_params"]
         status = cluster.prefill.status()
         engine_id = held["remote_engine_id"]
         assert status["kv_transfer"]["blocks_held"] == 5
@@ -108,7 +108,7 @@ def test_a_stranger_on_the_kv_port_and_the_decode_api(tiny_llama, colocated):
         # 3. The victim is untouched: its decode pulls all of its KV and answers exactly.
         resp = _complete(cluster.decode.url, victim, kv_transfer_params=held)
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == colocated(victim)
-        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 79
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
         # And through the proxy, after all that, as usual.
         other = _prompt(3, 50)
         assert _complete(cluster.url, other).json()["choices"][0]["text"] == colocated(other)
@@ -136,8 +136,8 @@ def test_a_stranger_with_write_access_to_the_shared_redis(tiny_llama, colocated,
         r = redis.Redis.from_url(redis_server.url)
         seen: set[bytes] = set()
         for attempt, victim in enumerate((_prompt(4, 100), _prompt(5, 100))):
-            promise = _complete(prefill.url, victim, max_tokens=1,
-                                kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
+            promise = _complete(prefill.url, victim, kv_transfer_params={"do_remote_decode": True}
+                                ).json()["kv_transfer_params"]
             assert promise["kv_store_tokens"] == 96 and promise["signature"]
             deadline = time.monotonic() + 30
             while len(keys := set(r.keys("*")) - seen) < 3:  # P's 3 chunks, written off its step thread

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import socket
 import time
 
@@ -17,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
 from engine.kv_transfer.secret import KVSecret
-from tests.disagg_utils import Disagg
+from tests.disagg_utils import Disagg, ProxyProcess
 from tests.server_utils import ServerProcess, free_port, leave_when, wait_for
 
 ENGINE_ARGS = ("--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny")
@@ -57,8 +58,8 @@ def test_p_to_d_equals_colocated(pd, colocated):
         resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
                                          extra_body={"ignore_eos": True})
         assert resp.choices[0].text == exp.outputs[0].text, f"prompt of {len(prompt)} tokens"
-        # D served every prompt token but the last from P's KV.
-        assert resp.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
+        # D served every prompt token from P's KV (it continues from P's first token).
+        assert resp.usage.prompt_tokens_details.cached_tokens == len(prompt)
     d_status = pd.decode.status()
     assert d_status["kv_transfer"]["bytes"] > 0 and not d_status["kv_transfer"]["failures"]
     assert pd.prefill.status()["kv_transfer"]["bytes"] > 0
@@ -80,11 +81,11 @@ def test_streaming_and_chat_through_proxy(pd, colocated):
 
 
 def test_prefix_hit_on_decode(pd, colocated):
-    """FAULTS 20, full prefix hit on D: the second time, D's own prefix cache holds every prompt
-    token it may reuse (289 tokens: 288 in whole blocks, the last one is always recomputed), so
-    D pulls nothing and tells P to release its copy at once, long before P's 30 s lease."""
+    """FAULTS 20, full prefix hit on D: the second time, D's own prefix cache holds the whole
+    prompt (288 tokens, 18 whole blocks; D computes only from P's first token on), so D pulls
+    nothing and tells P to release its copy at once, long before P's 30 s lease."""
     client = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="x", max_retries=0)
-    prompt = _token_prompts()[4][:289]
+    prompt = _token_prompts()[4][:288]
     want = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                               use_tqdm=False)[0].outputs[0].text
     first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
@@ -138,7 +139,8 @@ def test_prompt_lists_and_n_through_the_proxy(pd, colocated):
 
 
 def test_min_tokens_and_stop_through_the_proxy(pd, colocated):
-    """FAULTS 28: P gets max_tokens=1 but never the client's min_tokens (it once answered 400)."""
+    """FAULTS 28: min_tokens and stop strings hold across the first token, which P samples with the
+    client's own parameters (EOS banned while min_tokens is not reached)."""
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop=["e"])
     want = colocated.generate("Hello there, my name", params, use_tqdm=False)[0].outputs[0]
     resp = httpx.post(f"{pd.url}/v1/completions", timeout=60, json={
@@ -163,9 +165,10 @@ def test_kv_only_goes_to_its_own_tokens(pd, colocated):
     real consumer, and nothing foreign enters D's prefix cache."""
     victim_prompt, own_prompt = [11] * 40, [12] * 40
     p_resp = httpx.post(f"{pd.prefill.url}/v1/completions", timeout=30, json={
-        "prompt": victim_prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        "prompt": victim_prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": {"do_remote_decode": True}})
     victim = p_resp.json()["kv_transfer_params"]
-    forged = {**victim, "token_digest": token_digest(own_prompt)}
+    forged = {**{k: v for k, v in victim.items() if not k.startswith("first_")}, "token_digest": token_digest(own_prompt)}
     resp = httpx.post(f"{pd.decode.url}/v1/completions", timeout=30, json={
         "prompt": own_prompt, "max_tokens": 6, "kv_transfer_params": forged})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params.signature"
@@ -182,7 +185,7 @@ def test_kv_only_goes_to_its_own_tokens(pd, colocated):
     resp = httpx.post(f"{pd.decode.url}/v1/completions", timeout=30, json={
         "prompt": victim_prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_transfer_params": victim})
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want_victim
-    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 39
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
 
 
 def test_decode_acts_only_on_signed_params(pd, colocated):
@@ -199,7 +202,8 @@ def test_decode_acts_only_on_signed_params(pd, colocated):
             "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_transfer_params": kv_params})
 
     signed = httpx.post(f"{pd.prefill.url}/v1/completions", timeout=30, json={
-        "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
     assert len(signed["signature"]) == 64 and signed["expires_at"] > time.time()
     with socket.socket() as trap:
         trap.bind(("127.0.0.1", 0))
@@ -224,7 +228,7 @@ def test_decode_acts_only_on_signed_params(pd, colocated):
     failures = pd.decode.status()["kv_transfer"]["failures"]
     resp = decode(signed)
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
-    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 39  # the pulled KV
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 40  # the pulled KV
     pd.decode.wait_idle()
     resp = decode(signed)  # replayed: P gave that KV away already
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
@@ -246,7 +250,7 @@ def test_lease_expiry_frees_prefill_blocks(tiny_llama):
                         "--kv-lease-s", "3")
     try:
         resp = httpx.post(f"{srv.url}/v1/completions", timeout=30, json={
-            "prompt": [5] * 40, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+            "prompt": [5] * 40, "max_tokens": 2, "ignore_eos": True, "kv_transfer_params": {"do_remote_decode": True}})
         params = resp.json()["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["num_tokens"] == 40
         assert srv.status()["kv_transfer"]["blocks_held"] == 3  # 40 tokens in blocks of 16
@@ -361,7 +365,7 @@ def test_smollm2_p_to_d_equals_colocated(smollm2_dir):
         resp = client.completions.create(model="smol", prompt=long_prompt, max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True})
         assert resp.choices[0].text == want_long
-        assert resp.usage.prompt_tokens_details.cached_tokens == 2047
+        assert resp.usage.prompt_tokens_details.cached_tokens == 2048
         resp = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=8,
                                          temperature=0, extra_body={"ignore_eos": True})
         assert resp.choices[0].text == want_short
@@ -413,3 +417,74 @@ def test_small_decode_pool_under_arriving_kv(tiny_llama, colocated):
         assert cluster.decode.status()["requests"]["tracked_by_engine"] == 0
     finally:
         cluster.stop()
+
+
+def _prompt_tokens_accepted(srv: ServerProcess) -> float:
+    match = re.search(r"^engine:prompt_tokens_total(?:\{[^}]*\})? (\S+)$", srv.metrics(), re.MULTILINE)
+    return float(match.group(1))
+
+
+def _stream_text(resp: httpx.Response) -> tuple[list[dict], str]:
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    return events, "".join(c.get("text", "") for e in events for c in e.get("choices", []))
+
+
+def test_a_first_token_that_ends_the_answer_never_reaches_decode(pd, colocated):
+    """Issue 13: P samples the first token with the client's parameters; when it ends the answer
+    (max_tokens 1, a stop string in it, EOS), P's answer is the answer: D is never called and P
+    frees the KV at once (not after its 30 s lease)."""
+    prompt = "The first token decides"
+    greedy = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
+    stop = greedy.text.strip()[:2] or greedy.text
+    d_tokens = _prompt_tokens_accepted(pd.decode)
+    for extra in ({"max_tokens": 1}, {"max_tokens": 8, "stop": [stop]}):
+        want = colocated.generate(prompt, SamplingParams(temperature=0, **extra), use_tqdm=False)[0].outputs[0]
+        for stream in (False, True):
+            resp = httpx.post(f"{pd.url}/v1/completions", timeout=30, json={
+                "prompt": prompt, "temperature": 0, "stream": stream, **extra,
+                **({"stream_options": {"include_usage": True}} if stream else {})})
+            assert resp.status_code == 200, resp.text
+            if stream:
+                events, text = _stream_text(resp)
+                reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+                usage = events[-1]["usage"]
+            else:
+                body = resp.json()
+                text, reasons, usage = body["choices"][0]["text"], [body["choices"][0]["finish_reason"]], body["usage"]
+                assert "kv_transfer_params" not in body
+            assert (text, reasons) == (want.text, [want.finish_reason]), extra
+            assert usage["completion_tokens"] == 1
+            pd.prefill.wait_idle(timeout=5)  # withdrawn, not expired: no KV held
+    assert _prompt_tokens_accepted(pd.decode) == d_tokens  # D never saw a request
+
+
+def test_the_first_token_streams_before_decode_is_asked(tiny_llama, colocated):
+    """The client has P's first token before any KV moves: with the decode instance down, the
+    stream still opens with it, then reports the unreachable decode instance."""
+    prefill = ServerProcess(str(tiny_llama), *ENGINE_ARGS, "--role", "prefill", "--kv-port", str(free_port()),
+                            "--kv-lease-s", "2")
+    proxy = ProxyProcess([prefill.url], [f"http://127.0.0.1:{free_port()}"])
+    try:
+        prompt = "Streaming starts on the prefill instance"
+        want = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0]
+        first_text = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        for path, body in (("/v1/completions", {"prompt": prompt}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})):
+            resp = httpx.post(f"{proxy.url}{path}", timeout=30, json={
+                **body, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True})
+            events = [json.loads(line[6:]) for line in resp.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            assert "unreachable" in events[-1]["error"]["message"]
+            content = [e for e in events[:-1] if "choices" in e]
+            if "messages" in body:
+                assert content[0]["choices"][0]["delta"]["role"] == "assistant"
+                assert content[1]["choices"][0]["delta"]["content"] and content[1]["choices"][0]["finish_reason"] is None
+            else:
+                assert content[0]["choices"][0]["text"] == first_text.outputs[0].text and want.text.startswith(
+                    content[0]["choices"][0]["text"])
+        prefill.wait_idle(timeout=15)  # nobody pulled: the 2 s lease freed the KV
+    finally:
+        proxy.stop()
+        prefill.stop()

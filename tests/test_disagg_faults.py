@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.server_utils import ServerProcess, free_port, leave_when
+from tests.server_utils import ServerProcess, free_port, leave_when, wait_for
 
 ARGS = ("--num-blocks", "128", "--max-model-len", "1024")
 PROMPT = [random.Random(5).randrange(3, 49152) for _ in range(70)]  # 5 blocks of 16: one chunk
@@ -53,17 +53,21 @@ def expected(colocated) -> str:
                               use_tqdm=False)[0].outputs[0].text
 
 
+# What the proxy would send both: P samples the first token, D continues from it.
+BODY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
 def _prefill(prefill, fault: str | None) -> dict:
     params = {"do_remote_decode": True, **({"inject_fault": fault} if fault else {})}
-    resp = httpx.post(f"{prefill.url}/v1/completions", timeout=30, json={
-        "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": params})
+    resp = httpx.post(f"{prefill.url}/v1/completions", timeout=30, json={**BODY, "kv_transfer_params": params})
     assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["finish_reason"] is None  # handed off, not finished
     return resp.json()["kv_transfer_params"]
 
 
 def _decode(decode, params: dict, request_id: str | None = None) -> httpx.Response:
-    return httpx.post(f"{decode.url}/v1/completions", timeout=60, headers=_request_id(request_id), json={
-        "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "kv_transfer_params": params})
+    return httpx.post(f"{decode.url}/v1/completions", timeout=60, headers=_request_id(request_id),
+                      json={**BODY, "kv_transfer_params": params})
 
 
 def _request_id(request_id: str | None) -> dict:
@@ -84,7 +88,7 @@ def test_clean_transfer_is_used(prefill, decode, expected):
     before = decode.status()["kv_transfer"]["bytes"]
     resp = _decode(decode, _prefill(prefill, None))
     assert resp.json()["choices"][0]["text"] == expected
-    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) - 1
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT)
     assert decode.status()["kv_transfer"]["bytes"] > before
     prefill.wait_idle()
     decode.wait_idle()
@@ -127,7 +131,7 @@ def test_duplicate_frames_are_dropped(prefill, decode, expected):
     before = _failures(decode)
     resp = _decode(decode, _prefill(prefill, "duplicate"))
     assert resp.json()["choices"][0]["text"] == expected
-    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) - 1
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT)
     assert _failures(decode) == before
     # The stray copy reaches D while the next transfer is in flight: it must not be taken.
     assert _decode(decode, _prefill(prefill, None)).json()["choices"][0]["text"] == expected
@@ -190,7 +194,7 @@ def test_prefill_killed_then_restarted_on_the_same_address(tiny_llama, expected)
         prefill = ServerProcess(str(tiny_llama), *ARGS, "--role", "prefill", "--kv-port", str(kv_port))
         resp = _decode(decode, _prefill(prefill, None))
         assert resp.json()["choices"][0]["text"] == expected
-        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) - 1
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT)
         assert _failures(decode) == {"timeout": 1}
         decode.wait_idle()
         prefill.wait_idle()
@@ -227,7 +231,7 @@ def test_same_host_shared_memory(tiny_llama, expected):
         assert len(files) == 1 and os.stat(files[0]).st_mode & 0o777 == 0o600
         resp = _decode(decode, _prefill(prefill, None))
         assert resp.json()["choices"][0]["text"] == expected
-        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) - 1
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT)
         assert prefill.status()["kv_transfer"]["bytes"] > 0 and not _failures(decode)
         prefill.wait_idle()
         decode.wait_idle()
@@ -235,3 +239,35 @@ def test_same_host_shared_memory(tiny_llama, expected):
         decode.stop()
         prefill.stop()
     assert not glob.glob(files[0])
+
+
+def test_prefill_killed_decode_loads_from_the_shared_tier(tiny_llama, colocated, redis_server):
+    """Issue 13: P and D also share a Redis tier (`--role` with `--kv-store`). P dies right after
+    its answer, with its prompt's chunks in Redis: D's pull fails, and D loads the prompt from
+    Redis instead of recomputing it (a store hit: every whole block, 7 of 16 tokens)."""
+    import redis
+    prompt = [random.Random(6).randrange(3, 49152) for _ in range(120)]  # 3 chunks of 32 + a 1-block tail
+    body = {**BODY, "prompt": prompt}
+    want = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    store = ("--kv-store", redis_server.url, "--kv-chunk-tokens", "32")
+    decode = ServerProcess(str(tiny_llama), *ARGS, *store, "--role", "decode", "--kv-load-timeout-s", "2")
+    prefill = ServerProcess(str(tiny_llama), *ARGS, *store, "--role", "prefill", "--kv-port", str(free_port()))
+    try:
+        resp = httpx.post(f"{prefill.url}/v1/completions", timeout=30,
+                          json={**body, "kv_transfer_params": {"do_remote_decode": True}})
+        params = resp.json()["kv_transfer_params"]
+        assert params["do_remote_prefill"] and resp.json()["choices"][0]["finish_reason"] is None
+        r = redis.Redis.from_url(redis_server.url)
+        wait_for(lambda: len(r.keys("*")) == 4)  # P's writes land off its step thread
+        prefill.kill()
+        resp = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={**body, "kv_transfer_params": params})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 112
+        status = decode.status()
+        assert status["kv_transfer"]["failures"] == {"timeout": 1}
+        assert status["kv_store"]["redis"]["hits"] == 4
+        decode.wait_idle()
+    finally:
+        prefill.stop()
+        decode.stop()

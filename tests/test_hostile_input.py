@@ -72,6 +72,13 @@ def test_stop_token_ids_outside_the_vocabulary(server, ids):
     ({"kv_store_tokens": "x"}, "kv_transfer_params.kv_store_tokens"),
     ({"do_remote_decode": True, "inject_fault": "delay=abc"}, "kv_transfer_params.inject_fault"),
     ({"unknown_key": 1}, "kv_transfer_params.unknown_key"),
+    ({"first_token_ids": [1, 2]}, "kv_transfer_params.first_token_ids"),  # two first tokens for n=1
+    ({"first_token_ids": [10_000_000]}, "kv_transfer_params.first_token_ids"),
+    ({"first_token_ids": [-1]}, "kv_transfer_params.first_token_ids"),
+    ({"first_token_ids": [1] * 2000}, "kv_transfer_params.first_token_ids"),
+    ({"first_token_ids": [1], "first_logprobs": []}, "kv_transfer_params.first_logprobs"),
+    ({"first_logprobs": [[[2, -0.5, 1]]]}, "kv_transfer_params.first_logprobs"),
+    ({"first_token_ids": [1], "first_logprobs": [[[1, "x", 1]]]}, "kv_transfer_params.first_logprobs"),
     ("a string", "kv_transfer_params"),
     ([PULL, PULL], "kv_transfer_params"),  # two entries for one prompt
 ])

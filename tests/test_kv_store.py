@@ -240,8 +240,10 @@ def test_a_new_process_finds_the_prefix(tiny_llama, reference, tmp_path, tier, r
     first = _fresh_process(tiny_llama, spec, prompt)
     second = _fresh_process(tiny_llama, spec, prompt)
     assert first["tokens"] == second["tokens"] == reference(prompt)
-    assert first["cached"] == 0 and second["cached"] == 128
-    assert second["hits"][tier] == 4 and second["hits"]["cpu"] == 0
+    # Four 32-token chunks and the trailing chunk of one block: every whole block before the
+    # last token, as a device prefix hit would be.
+    assert first["cached"] == 0 and second["cached"] == 144
+    assert second["hits"][tier] == 5 and second["hits"]["cpu"] == 0
 
 
 def test_redis_killed_mid_run_and_back(tiny_llama, reference, redis_server):
@@ -289,9 +291,9 @@ def test_server_reports_tier_hits(tiny_llama, tmp_path):
         finally:
             server.stop()  # SIGTERM: pending disk writes are flushed on the way out
     (text_a, cached_a), (text_b, cached_b) = results
-    assert text_a == text_b and cached_a == 0 and cached_b == 128
-    assert 'engine:kv_store_hits_total{model_name="' in metrics and 'tier="disk"} 4.0' in metrics
-    assert status["kv_store"]["disk"]["hits"] == 4 and status["kv_store"]["cpu"]["used_bytes"] > 0
+    assert text_a == text_b and cached_a == 0 and cached_b == 144  # 4 chunks and a 1-block trailing chunk
+    assert 'engine:kv_store_hits_total{model_name="' in metrics and 'tier="disk"} 5.0' in metrics
+    assert status["kv_store"]["disk"]["hits"] == 5 and status["kv_store"]["cpu"]["used_bytes"] > 0
 
 
 def test_store_mode_disaggregation_through_the_proxy(tiny_llama, redis_server):
@@ -347,7 +349,7 @@ def test_tiny_cpu_tier_evicting_under_concurrent_lookups(tiny_llama, reference):
     chunk_bytes = 2 * 2 * 2 * 16 * 2 * 16 * 4  # [layers, k/v, 2 blocks, 16 tokens, 2 kv heads, 16 dims] fp32
     llm = LLM(str(tiny_llama), num_blocks=48, kv_store=f"cpu:{3 * chunk_bytes}", kv_chunk_tokens=32)
     shared = _prompt(12, 96)  # exactly the tier's 3 chunks
-    llm.generate([shared + _prompt(13, 20)], GREEDY, use_tqdm=False)
+    llm.generate([shared], GREEDY, use_tqdm=False)  # whole chunks only: no trailing chunk
     llm.engine.kv_cache_manager.pool.reset_prefix_cache()  # lookups must go to the tier
     # Shared-prefix requests load pinned chunks while the distinct ones' saves evict around them.
     prompts = [shared + _prompt(30 + i, 20 + 7 * i) if i % 2 else _prompt(40 + i, 120) for i in range(8)]
@@ -506,7 +508,8 @@ def _connector_halves(delay: float, lookup_timeout_s: float = 0.2):
     worker.register_kv_caches(torch.zeros(2, 2, 64, 4, 2, 8))  # [layers, k/v, blocks, block_size, heads, dim]
 
     def step():
-        meta = sched.build_connector_meta(None)
+        from engine.outputs import CachedRequestData, SchedulerOutput
+        meta = sched.build_connector_meta(SchedulerOutput([], CachedRequestData(), {}, 0, set()))
         worker.start_load_kv(meta)
         out = worker.get_finished()
         sched.update_connector_output(out)
@@ -527,7 +530,7 @@ def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
     sched, worker, store, step = _connector_halves(delay=0.0, lookup_timeout_s=0.2)
     store.gate = threading.Event()  # the store answers only when the test says so
     try:
-        a = make_request("a", 70)  # chunks 0-3 can come from outside (chunk 4 holds the last token)
+        a = make_request("a", 65)  # chunks 0-3 can come from outside (the last token is in chunk 4, alone)
         _store_chunks(store, a, 4)
         start = time.monotonic()
         # The scheduler half never waits on the store: "not known yet", and the worker is asked.
@@ -584,7 +587,7 @@ def test_lookup_answers_follow_the_local_prefix_and_pins_end_with_the_load():
     from tests.scheduler_utils import make_request
     sched, worker, store, step = _connector_halves(delay=0.0, lookup_timeout_s=5.0)
     try:
-        d = make_request("d", 70)
+        d = make_request("d", 65)
         keys = _store_chunks(store, d, 4)
         # Asked with chunks 0-1 local: the answer counts from chunk 2.
         assert sched.get_num_new_matched_tokens(d, 32) is None
@@ -596,7 +599,7 @@ def test_lookup_answers_follow_the_local_prefix_and_pins_end_with_the_load():
         # The local prefix shrank (evicted from the device): ask again from chunk 0.
         assert sched.get_num_new_matched_tokens(d, 0) is None
         assert [lk.keys for lk in step()[0].lookups] == [keys]
-        wait_for(lambda: step()[1].lookups == {"d": 4})
+        wait_for(lambda: step()[1].lookups == {"d": (4, 0)})
         assert sched.get_num_new_matched_tokens(d, 0) == (64, True)
         wait_for(lambda: dict(store._pins) == dict.fromkeys(keys, 1))  # the first lease ended
         # Admitted with a load: the loader takes the lease over and unpins once it has read.
@@ -608,17 +611,45 @@ def test_lookup_answers_follow_the_local_prefix_and_pins_end_with_the_load():
         assert torch.equal(worker.kv[:, :, 12:16], _chunk(3))  # chunk 3's blocks landed
         wait_for(lambda: not store._pins)
         # A promise (store-mode disaggregation) decides without a lookup.
-        p = make_request("p", 70)
+        p = make_request("p", 65)
         p.kv_transfer_params = KVTransferParams(kv_store_tokens=48, token_digest=token_digest(p.prompt_token_ids[:48]))
         assert sched.get_num_new_matched_tokens(p, 0) == (48, True) and not step()[0].lookups
         # A promise made for other tokens (one replayed with another prompt) is no promise: a lookup.
-        q = make_request("q", 70)
+        q = make_request("q", 65)
         q.kv_transfer_params = KVTransferParams(kv_store_tokens=48, token_digest=p.kv_transfer_params.token_digest)
         assert sched.get_num_new_matched_tokens(q, 0) is None and step()[0].lookups[0].req_id == "q"
         for request in (d, p, q):
             sched.request_finished(request, [])
         assert sched.num_tracked_requests() == 0
         wait_for(lambda: store.num_contains == 3)  # q asked too (p, with its promise, did not)
+    finally:
+        worker.shutdown()
+
+
+def test_a_trailing_chunk_is_found_and_loaded_like_a_prefix_hit():
+    """Issue 13: a prompt's last, partial chunk (whole blocks) is stored too, so a tier hit covers
+    every whole block before the last token, as a device prefix hit would: here 4 chunks and a
+    trailing chunk of 1 block (70 tokens in 4-token blocks: 17 whole blocks before the last)."""
+    from tests.scheduler_utils import make_request
+    sched, worker, store, step = _connector_halves(delay=0.0, lookup_timeout_s=5.0)
+    try:
+        r = make_request("r", 70)
+        keys = _store_chunks(store, r, 4)
+        tail = r.block_hashes[16].hex()  # named by its own last block
+        store.put(tail, _chunk(7)[:, :, :1].clone())
+        assert sched.get_num_new_matched_tokens(r, 0) is None
+        lookup = step()[0].lookups[0]
+        assert lookup.keys == keys and lookup.tail_keys == [tail]
+        wait_for(lambda: step()[1].lookups == {"r": (4, 1)})
+        assert sched.get_num_new_matched_tokens(r, 0) == (68, True)
+        sched.update_state_after_alloc(r, list(range(40, 58)), 0, 68)
+        load = step()[0].loads[0]
+        assert [c.key for c in load.chunks] == [*keys, tail] and load.chunks[-1].block_ids == [56]
+        wait_for(lambda: "r" in step()[1].finished_recving)
+        sched.transfer_done("r")
+        assert torch.equal(worker.kv[:, :, 56:57], _chunk(7)[:, :, :1])
+        sched.request_finished(r, [])
+        assert sched.num_tracked_requests() == 0
     finally:
         worker.shutdown()
 

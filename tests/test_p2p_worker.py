@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 
+from engine.kv_transfer.base import allocate_kv_tensor
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec, SendSpec, ipc_path
 from engine.kv_transfer.p2p_wire import (
     NO_AUTH_SECRET, NONCE_BYTES, Auth, Challenge, Hello, HelloReply, Pull, SessionTag, decode, encode, proof,
@@ -25,9 +26,15 @@ SHAPE = (2, 2, 64, 4, 2, 8)  # [layers, k/v, blocks, block_size, kv heads, head 
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4
 
 
+def kv_tensor_for(worker: P2PConnectorWorker, shape) -> torch.Tensor:
+    """The float32 CPU KV tensor the model runner would allocate for ``worker``."""
+    cpu = torch.device("cpu")
+    return allocate_kv_tensor(shape, torch.float32, cpu, worker.kv_cache_file(shape, torch.float32, cpu))
+
+
 def _producer() -> P2PConnectorWorker:
     worker = P2PConnectorWorker("p", "fp", "127.0.0.1", free_port(), chunk_bytes=3 * BLOCK_BYTES)  # 3-block chunks
-    kv = worker.allocate_kv_cache(SHAPE, torch.float32, torch.device("cpu"))
+    kv = kv_tensor_for(worker, SHAPE)
     kv.copy_(torch.randn(SHAPE))
     worker.register_kv_caches(kv)
     return worker
@@ -122,7 +129,7 @@ def _consumer_of(shape) -> P2PConnectorWorker:
 
 def _transfer(producer, consumer, rid: str, src: list[int], dst: list[int], addr: str, lease_s: float = 30,
               pull_digest: str = "tokens", fault: str | None = None):
-    producer.start_load_kv(P2PMetadata(sends=[SendSpec(rid, src, len(src) * 4, time.monotonic() + lease_s,
+    producer.save_kv(P2PMetadata(sends=[SendSpec(rid, src, len(src) * 4, time.monotonic() + lease_s,
                                                        "tokens", fault)]))
     consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, dst, time.monotonic() + 10,
                                                        pull_digest)]))
@@ -145,6 +152,31 @@ def _sent(producer, rid: str, timeout: float = 10) -> None:
     while rid not in producer.get_finished().finished_sending:
         assert time.monotonic() < deadline, "the producer never released its blocks"
         time.sleep(0.005)
+
+
+def test_a_producer_restarted_on_the_same_address_is_pulled_from_afresh(monkeypatch):
+    """zmq reconnects a consumer's socket to whatever listens on the address next: a producer
+    restarted there refuses the old session, and the consumer handshakes again instead of
+    failing the load (one puller, so the stale socket is certainly the one used)."""
+    monkeypatch.setattr("engine.kv_transfer.p2p_consumer.NUM_PULLERS", 1)
+    first = _producer()
+    consumer = _consumer()
+    addr = f"tcp://127.0.0.1:{first.port}"
+    try:
+        assert _transfer(first, consumer, "r1", [1, 2], [3, 4], addr).finished_recving == {"r1"}
+        first.shutdown()
+        second = P2PConnectorWorker("p", "fp", "127.0.0.1", first.port, chunk_bytes=3 * BLOCK_BYTES)
+        second.register_kv_caches(kv_tensor_for(second, SHAPE))
+        second.kv.copy_(torch.randn(SHAPE))
+        try:
+            out = _transfer(second, consumer, "r2", [5, 6, 7], [8, 9, 10], addr)
+            assert out.finished_recving == {"r2"}, out.failure_reasons
+            assert torch.equal(consumer.kv[:, :, [8, 9, 10]], second.kv[:, :, [5, 6, 7]])
+            assert consumer.stats["failures"] == {}
+        finally:
+            second.shutdown()
+    finally:
+        consumer.shutdown()
 
 
 @pytest.mark.parametrize("tcp", [False, True], ids=["same-host-shm", "tcp"])
@@ -254,7 +286,7 @@ def test_copy_that_outlives_the_lease_is_discarded(producer, monkeypatch):
     copying, lease_ended = hold_copies(consumer, monkeypatch)
     try:
         lease_s = 2.0
-        producer.start_load_kv(P2PMetadata(sends=[SendSpec("slow", list(range(9)), 36, time.monotonic() + lease_s,
+        producer.save_kv(P2PMetadata(sends=[SendSpec("slow", list(range(9)), 36, time.monotonic() + lease_s,
                                                            "tokens")]))
         consumer.start_load_kv(P2PMetadata(loads=[LoadSpec("slow", ipc_path(producer.port), "slow", 0,
                                                            list(range(9)), time.monotonic() + 60, "tokens")]))
@@ -283,7 +315,7 @@ MiB = 2**20
 def _big_producer(monkeypatch) -> P2PConnectorWorker:
     monkeypatch.setenv("ENGINE_KV_SHM", "0")  # every transfer takes the socket path
     worker = P2PConnectorWorker("p", "fp", "127.0.0.1", free_port(), chunk_bytes=MiB)
-    kv = worker.allocate_kv_cache(BIG_SHAPE, torch.float32, torch.device("cpu"))
+    kv = kv_tensor_for(worker, BIG_SHAPE)
     kv.copy_(torch.randn(BIG_SHAPE))
     worker.register_kv_caches(kv)
     return worker
@@ -332,7 +364,7 @@ def test_stalled_consumer_blocks_nobody(monkeypatch):
     finished = _Finished(producer)
     try:
         stalled = _stalled_peer(ctx, addr)
-        producer.start_load_kv(P2PMetadata(sends=[SendSpec("stuck", list(range(256)), 256 * 16,
+        producer.save_kv(P2PMetadata(sends=[SendSpec("stuck", list(range(256)), 256 * 16,
                                                            time.monotonic() + 60, "tokens")]))
         stalled.send(Pull("t-stuck", "stuck", 0, 256, "tokens"))
         _wait_until_stalled(producer)  # every buffer between the producer and the stalled peer is full
@@ -342,7 +374,7 @@ def test_stalled_consumer_blocks_nobody(monkeypatch):
         # While it stays stalled: another consumer's transfer, a release and a lease expiry
         # all happen on time (the old inline sender blocked up to 30 s per chunk).
         start = time.monotonic()
-        producer.start_load_kv(P2PMetadata(sends=[
+        producer.save_kv(P2PMetadata(sends=[
             SendSpec("released", [0, 1], 32, start + 60, "tokens"),
             SendSpec("expiring", [2, 3], 32, start + 1.0, "tokens")]))
         out = _transfer(producer, consumer, "other", list(range(100, 140)), list(range(40)), addr)
@@ -381,7 +413,7 @@ def test_stall_limit_abandons_a_consumer_that_stays_connected(monkeypatch):
         stalled = [_stalled_peer(ctx, addr) for _ in range(4)]  # as many as there are transfer slots
         start = time.monotonic()
         for i, peer in enumerate(stalled):
-            producer.start_load_kv(P2PMetadata(sends=[SendSpec(f"stuck{i}", list(range(256)), 256 * 16,
+            producer.save_kv(P2PMetadata(sends=[SendSpec(f"stuck{i}", list(range(256)), 256 * 16,
                                                                start + 60, "tokens")]))
             peer.send(Pull(f"t{i}", f"stuck{i}", 0, 256, "tokens"))
         for i in range(4):
@@ -407,7 +439,7 @@ def test_an_undecodable_message_from_an_authenticated_peer_is_dropped(producer):
         while producer.stats["dropped_messages"] == 0:
             assert time.monotonic() < deadline, "the undecodable message was not counted"
             time.sleep(0.01)
-        producer.start_load_kv(P2PMetadata(sends=[SendSpec("r", [0, 1, 2], 12, time.monotonic() + 30, "tokens")]))
+        producer.save_kv(P2PMetadata(sends=[SendSpec("r", [0, 1, 2], 12, time.monotonic() + 30, "tokens")]))
         peer.send(Pull("t", "r", 0, 3, "tokens"))
         reply = peer.recv()
         assert reply.status == "ok" and reply.num_blocks == 3, reply

@@ -376,8 +376,14 @@ def _check_ok(resp, body, chat: bool) -> None:
         return
     data = resp.json()
     assert isinstance(data.get("choices"), list) and data["choices"], resp.text[:500]
+    handed_off = isinstance(body, dict) and isinstance(body.get("kv_transfer_params"), dict) and \
+        body["kv_transfer_params"].get("do_remote_decode") is True
     for choice in data["choices"]:
-        assert choice.get("finish_reason") in ("stop", "length"), choice
+        # A prefill instance's answer continues elsewhere: null, with the first tokens to continue from.
+        allowed = ("stop", "length", None) if handed_off else ("stop", "length")
+        assert choice.get("finish_reason") in allowed, choice
+        if choice.get("finish_reason") is None:
+            assert data["kv_transfer_params"]["first_token_ids"], data
         if chat:
             assert isinstance(choice["message"]["content"], str), choice
         else:

@@ -1,8 +1,10 @@
 """The connector seam: how KV enters and leaves an instance.
 
-A connector has two halves built by role. The scheduler half decides and is called at
-exactly four points (match, after allocation, build metadata, request finished); the worker
-half moves bytes and never decides. Without a configured connector the engine holds the
+A connector has two halves built by role. The scheduler half decides and never does I/O:
+it is asked at admission (match, after allocation), builds the step's metadata once (it
+travels in ``SchedulerOutput``), and learns what the worker half did only from
+``KVConnectorOutput`` (in ``ModelRunnerOutput``). The worker half moves bytes and never
+decides; it belongs to the model runner. Without a configured connector the engine holds the
 no-op connector, so neither side has ``if connector`` branches.
 """
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +48,10 @@ class KVConnectorScheduler(ABC):
     # What the scheduler does when a load fails: "recompute" the prefill locally (the output
     # stays correct) or "fail" the request with an error.
     load_failure_policy: str = "recompute"
+    # How long the kv_transfer_params this half hands out may be acted on.
+    params_ttl_s: float = 60.0
+    # The scheduler's block table (request id -> block ids), bound by the scheduler: read-only.
+    block_ids_of: Callable[[str], list[int]] = staticmethod(lambda req_id: [])
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool] | None:
@@ -69,8 +75,8 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         """A request finished. Returns (hold the blocks until the worker reports the send
-        done, kv_transfer_params to hand back to the client or proxy)."""
-
+        done, kv_transfer_params to hand back to the client or proxy; unsigned: the engine
+        adds the first tokens and signs them)."""
 
     def num_tracked_requests(self) -> int:
         """Requests this half keeps state for (0 when the engine is idle: anything else leaks)."""
@@ -79,17 +85,45 @@ class KVConnectorScheduler(ABC):
     def transfer_done(self, req_id: str, failed: bool = False) -> None:
         """The worker half finished (``failed``: gave up on) the load of ``req_id``."""
 
+    def send_done(self, req_id: str) -> None:
+        """The worker half no longer reads the held blocks of ``req_id``."""
+
+    def withdraw(self, req_id: str) -> bool:
+        """The KV a finished request offered is not wanted after all (its first token ended it).
+        True if the worker half must let go first (the blocks stay held until ``send_done``)."""
+        return False
+
+    def has_pending_metadata(self) -> bool:
+        """Work queued for the worker half outside a step's plan (a release, a cancel): the
+        engine runs another step to deliver it."""
+        return False
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Once per step, before the scheduler applies finished transfers: everything else
         the worker half learnt (lookup answers, say)."""
 
 
+def allocate_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                       path: str | None = None) -> torch.Tensor:
+    """The zero-filled paged KV tensor (zeroed, not empty: padded attention reads stale but
+    finite values, never NaN), in private memory or mapped from the file at ``path``."""
+    if path is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    kv = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    kv.zero_()  # commit the pages now, so no forward pass pays for page faults
+    return kv
+
+
 class KVConnectorWorker(ABC):
     """Worker half: moves bytes between the paged KV tensors and the outside."""
 
-    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The zero-filled paged KV tensor. A connector may place it where peers can reach it."""
-        return torch.zeros(shape, dtype=dtype, device=device)
+    def kv_cache_file(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> str | None:
+        """Where the model runner should keep the paged KV tensor: a file of its size that
+        peers can map, or None for private memory."""
+        return None
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         """Called once with the paged KV tensors after they are allocated."""

@@ -8,7 +8,12 @@ asks here how many more tokens the peer has, allocates blocks for them and parks
 in WAITING_FOR_REMOTE_KV while the worker half ``drop_select``s the KV straight into those
 blocks. The producer frees its copy only once the transfer is done or its lease expired.
 
-The last prompt token is always recomputed on the consumer, because its logits are needed.
+The producer samples the request's first token itself (``Request.hands_off``): its KV goes on
+offer in the very step that computes the prompt's last token (the send is in that step's
+metadata, registered after the forward pass, so before anyone can learn the parameters), and the
+request ends handed off. The engine may still find the first token final (a stop string, or all
+``n`` sequences ended) and ``withdraw`` the offer. The consumer starts from the prompt plus that
+token, so it loads the whole prompt's KV and recomputes nothing.
 """
 from __future__ import annotations
 
@@ -20,8 +25,7 @@ from dataclasses import dataclass, field
 
 from engine.config import KVTransferConfig
 from engine.kv_transfer.base import KVConnectorScheduler
-from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
-from engine.kv_transfer.secret import KVSecret
+from engine.kv_transfer.params import KVTransferParams, token_digest
 from engine.outputs import SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -84,21 +88,24 @@ class P2PMetadata:
     loads: list[LoadSpec] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
+    withdrawals: list[str] = field(default_factory=list)  # offers (sends) nobody may pull any more
 
 
 class P2PConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, engine_id: str, advertised_addr: str | None,
-                 block_size: int, secret: KVSecret | None = None) -> None:
+                 block_size: int) -> None:
         self.engine_id = engine_id
-        self.secret = secret  # signs the kv_transfer_params handed out
         self.advertised_addr = advertised_addr  # None on an instance that does not serve KV
         self.block_size = block_size
         self.load_failure_policy = config.kv_load_failure_policy
         self.lease_s = float(config.extra.get("lease_s", DEFAULT_LEASE_S))
+        self.params_ttl_s = self.lease_s
         self.load_timeout_s = float(config.extra.get("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S))
         self._meta = P2PMetadata()
         self._loading: set[str] = set()   # consumer requests whose load is in flight
         self._consumed: set[str] = set()  # remote KV already used or given up on: never pulled twice
+        self._producing: dict[str, Request] = {}  # producer requests whose KV is not on offer yet
+        self._offered: set[str] = set()  # producer requests whose KV is on offer (or being withdrawn)
 
     # ---- consumer ------------------------------------------------------------------------
     def _remote(self, request: Request) -> KVTransferParams | None:
@@ -112,12 +119,16 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         params = self._remote(request)
         if params is None:
             return 0, False
-        usable = min(params.num_tokens, request.num_prompt_tokens - 1)
+        # At least the last known token is computed here (its logits are needed): with the first
+        # token from the producer, that is the first token, and the whole prompt is loaded.
+        usable = min(params.num_tokens, request.num_tokens - 1)
         external = usable - num_computed_tokens
         return (external, True) if external > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:
+        if self._offers(request):
+            self._producing[request.request_id] = request
         params = self._remote(request)
         if params is None:
             return
@@ -146,10 +157,42 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             addr = ipc_path(int(addr.rsplit(":", 1)[1]))  # same machine: skip the TCP stack
         return addr
 
+    # ---- producer ------------------------------------------------------------------------
+    def _offers(self, request: Request) -> bool:
+        params = request.kv_transfer_params
+        return params is not None and params.do_remote_decode and self.advertised_addr is not None
+
+    def _offer(self, request: Request) -> None:
+        """The step computes the prompt's last token: its KV goes on offer after the forward pass."""
+        num_tokens = request.num_prompt_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        params = request.kv_transfer_params
+        fault = params.inject_fault if os.environ.get("ENGINE_ALLOW_KV_FAULTS") == "1" else None
+        self._meta.sends.append(SendSpec(request.request_id, self.block_ids_of(request.request_id)[:num_blocks],
+                                         num_tokens, time.monotonic() + self.lease_s,
+                                         token_digest(request.prompt_token_ids), fault))
+        self._offered.add(request.request_id)
+
+    def withdraw(self, req_id: str) -> bool:
+        if req_id not in self._offered:
+            return False
+        self._meta.withdrawals.append(req_id)
+        return True
+
     # ---- both ------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2PMetadata:
+        # Counters are advanced after this call: computed + scheduled is where the step ends.
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self._producing.get(req_id)
+            if request is not None and request.num_computed_tokens + n >= request.num_prompt_tokens:
+                del self._producing[req_id]
+                self._offer(request)
         meta, self._meta = self._meta, P2PMetadata()
         return meta
+
+    def has_pending_metadata(self) -> bool:
+        meta = self._meta
+        return bool(meta.sends or meta.loads or meta.cancels or meta.releases or meta.withdrawals)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         req_id = request.request_id
@@ -157,29 +200,30 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         if remote is not None:
             self._meta.releases.append(self._release(request, remote))
         self._consumed.discard(req_id)
+        self._producing.pop(req_id, None)
         if req_id in self._loading:
             # Aborted while its KV is still arriving: keep the blocks until the worker confirms
             # the transfer is cancelled, so late bytes never land in reused blocks.
             self._meta.cancels.append(req_id)
             return True, None
-        params = request.kv_transfer_params
-        if (params is None or not params.do_remote_decode or self.advertised_addr is None
-                or request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)):
+        if req_id not in self._offered:
             return False, None
-        # The prompt's KV is complete; the sampled token's is not (decode recomputes from it).
-        num_tokens = request.num_prompt_tokens
-        num_blocks = -(-num_tokens // self.block_size)
-        fault = params.inject_fault if os.environ.get("ENGINE_ALLOW_KV_FAULTS") == "1" else None
-        digest = token_digest(request.prompt_token_ids)
-        self._meta.sends.append(SendSpec(req_id, block_ids[:num_blocks], num_tokens,
-                                         time.monotonic() + self.lease_s, digest, fault))
-        return True, sign_kv_transfer_params(KVTransferParams(
+        # On offer: the blocks stay until the worker reports the offer done (pulled, expired or
+        # withdrawn).
+        if request.status not in (RequestStatus.FINISHED_HANDED_OFF, RequestStatus.FINISHED_LENGTH,
+                                  RequestStatus.FINISHED_STOPPED):
+            self.withdraw(req_id)  # aborted or failed: nobody will be told where the KV is
+            return True, None
+        return True, KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_kv_addr=self.advertised_addr,
-            remote_host_id=host_id(), remote_request_id=req_id, num_tokens=num_tokens, token_digest=digest),
-            self.secret, self.lease_s)
+            remote_host_id=host_id(), remote_request_id=req_id, num_tokens=request.num_prompt_tokens,
+            token_digest=token_digest(request.prompt_token_ids))
 
     def num_tracked_requests(self) -> int:
-        return len(self._loading) + len(self._consumed)
+        return len(self._loading) + len(self._consumed) + len(self._producing) + len(self._offered)
 
     def transfer_done(self, req_id: str, failed: bool = False) -> None:
         self._loading.discard(req_id)
+
+    def send_done(self, req_id: str) -> None:
+        self._offered.discard(req_id)

@@ -244,6 +244,17 @@ class P2PConsumer:
     def _load(self, job: LoadSpec, peers: dict[str, Peer]) -> str | None:
         """Pull one request's KV into its blocks; None on success, else "<reason>: <detail>"."""
         addr = job.remote_addr
+        reused = addr in peers
+        error = self._load_from(job, peers)
+        if reused and error is not None and error.startswith(REFUSED):
+            # Our session with this address ended on its side: the producer restarted there (zmq
+            # reconnected our socket to the new process) or forgot us. Handshake afresh, once.
+            peers.pop(addr).sock.close(linger=0)
+            error = self._load_from(job, peers)
+        return error
+
+    def _load_from(self, job: LoadSpec, peers: dict[str, Peer]) -> str | None:
+        addr = job.remote_addr
         peer = peers.get(addr)
         if peer is None:
             peer, error = self._connect(addr, job.deadline)

@@ -146,6 +146,14 @@ class P2PProducer:
             for spec in sends:
                 self._buffer[spec.req_id] = spec
 
+    def withdraw(self, req_ids: list[str]) -> None:
+        """Offers nobody was told about (their request ended with its first token): out of the
+        lookup buffer now. One that is being sent regardless finishes as usual."""
+        with self._lock:
+            for rid in req_ids:
+                if self._buffer.pop(rid, None) is not None:
+                    self._done_sending.add(rid)
+
     def take_finished(self) -> set[str]:
         """Entries whose blocks are no longer read (sent, lent and returned, released,
         expired or abandoned) since the last call."""

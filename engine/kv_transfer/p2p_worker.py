@@ -73,7 +73,7 @@ class P2PConnectorWorker(KVConnectorWorker):
             self._ctx, self._lock, self.stats, engine_id, fingerprint, bind_ip, port, chunk_bytes, secret, encrypt)
         self.consumer = P2PConsumer(self._ctx, self._lock, self.stats, fingerprint, chunk_bytes, secret, encrypt)
 
-    def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
+    def kv_cache_file(self, shape, dtype, device) -> str | None:
         """A producer on CPU keeps its KV in a shared-memory file that same-host consumers map
         (measured: no slower for the forward pass than private memory). ENGINE_KV_SHM=0, a
         non-CPU device or too little room in /dev/shm keep it private (peers use the socket)."""
@@ -82,13 +82,13 @@ class P2PConnectorWorker(KVConnectorWorker):
             nbytes *= dim
         if (self.producer is None or torch.device(device).type != "cpu" or not os.path.isdir("/dev/shm")
                 or os.environ.get("ENGINE_KV_SHM", "1") == "0"):
-            return super().allocate_kv_cache(shape, dtype, device)
+            return None
         _remove_stale_shm_files()
         stat = os.statvfs("/dev/shm")
         if nbytes > 0.9 * stat.f_bavail * stat.f_frsize:  # a full tmpfs would SIGBUS on first touch
             logger.warning("/dev/shm has %.1f GiB free, too little for the %.1f GiB KV cache: same-host "
                            "peers will use the socket", stat.f_bavail * stat.f_frsize / 2**30, nbytes / 2**30)
-            return super().allocate_kv_cache(shape, dtype, device)
+            return None
         path = f"/dev/shm/engine-kv-{os.getpid()}-{self.engine_id}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # KV is private to this user
         try:
@@ -96,9 +96,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         finally:
             os.close(fd)
         self.shm_path = path
-        kv = torch.from_file(path, shared=True, size=nbytes // dtype.itemsize, dtype=dtype).view(shape)
-        kv.zero_()  # commit the pages now, so no forward pass pays for page faults
-        return kv
+        return path
 
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
         # kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -111,8 +109,13 @@ class P2PConnectorWorker(KVConnectorWorker):
         if metadata is None:
             return
         if self.producer is not None:
-            self.producer.offer(metadata.sends)
+            self.producer.withdraw(metadata.withdrawals)
         self.consumer.submit(metadata)
+
+    def save_kv(self, metadata: P2PMetadata | None) -> None:
+        """After the forward pass that computed their last prompt token: the offers go up."""
+        if metadata is not None and self.producer is not None:
+            self.producer.offer(metadata.sends)
 
     def get_finished(self) -> KVConnectorOutput:
         sending = self.producer.take_finished() if self.producer is not None else set()

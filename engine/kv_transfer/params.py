@@ -24,6 +24,8 @@ from engine.kv_transfer.secret import KVSecret
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
+MAX_SEQUENCES = 1024  # first tokens: one per sequence (n), far above any --max-num-seqs
+MAX_LOGPROB_ENTRIES = 21  # the sampled token and up to 20 top logprobs
 _FAULT = re.compile(r"drop|truncate|duplicate|reorder|corrupt|bad_dtype|bad_shape|delay=(60(\.0+)?|[1-5]?\d(\.\d+)?)")
 _KV_ADDR = re.compile(r"^tcp://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 
@@ -37,6 +39,11 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
       KV belongs to, and the producer refuses a pull whose tokens differ.
     - ``kv_store_tokens`` (store-mode disaggregation): that many prompt tokens are in the
       shared KV store.
+    - ``first_token_ids`` (prefill -> decode): the first token of each of the request's ``n``
+      sequences, sampled on the prefill instance with the request's own parameters, and with
+      ``first_logprobs`` their logprob entries ((token, logprob, rank), sampled first). The
+      decode instance continues from the prompt plus that token, as a colocated engine would,
+      but only for the prompt they were sampled for (``first_tokens_digest``, of the whole prompt).
     """
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -47,6 +54,11 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
     num_tokens: NonNegative = 0
     token_digest: ShortStr | None = None
     kv_store_tokens: NonNegative = 0
+    first_token_ids: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_SEQUENCES)] | None = None
+    first_logprobs: Annotated[list[Annotated[list[tuple[NonNegative, float, NonNegative]],
+                                             msgspec.Meta(max_length=2 * MAX_LOGPROB_ENTRIES)]],
+                              msgspec.Meta(max_length=MAX_SEQUENCES)] | None = None
+    first_tokens_digest: ShortStr | None = None
     inject_fault: ShortStr | None = None  # test hook, honoured only with ENGINE_ALLOW_KV_FAULTS=1
     expires_at: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0  # unix seconds; part of what is signed
     signature: ShortStr | None = None  # hex HMAC-SHA256 (key "params") of the other fields
@@ -60,6 +72,8 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
         if self.inject_fault is not None and not _FAULT.fullmatch(self.inject_fault):
             raise ValueError("kv_transfer_params.inject_fault must be one of drop, truncate, duplicate, reorder, "
                              "corrupt, bad_dtype, bad_shape or delay=SECONDS (0-60)")
+        if self.first_logprobs is not None and len(self.first_logprobs) != len(self.first_token_ids or ()):
+            raise ValueError("kv_transfer_params.first_logprobs must have one entry per first token")
         if not self.do_remote_prefill:
             return
         for name in ("remote_kv_addr", "remote_request_id", "token_digest"):
@@ -91,7 +105,7 @@ def parse_kv_transfer_params(value: object) -> KVTransferParams | None:
         return msgspec.convert(value, KVTransferParams)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        field = re.search(r"at `\$\.(\w+)`", message) or re.search(r"unknown field `(\w+)`", message)
+        field = re.search(r"at `\$\.(\w+)", message) or re.search(r"unknown field `(\w+)`", message)
         param = f"kv_transfer_params.{field.group(1)}" if field else "kv_transfer_params"
         if message.startswith("kv_transfer_params."):
             param = message.split(" ", 1)[0]

@@ -110,8 +110,12 @@ def decode(data: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.
         header = msgspec.msgpack.decode(view[_PREFIX.size:head_end], type=PayloadHeader)
     except msgspec.DecodeError as exc:
         raise CorruptPayload("corrupt", f"bad header: {exc}") from None
+    # A chunk holds up to shape[2] blocks (a prompt's trailing chunk holds fewer).
     expected = (VERSION, fingerprint, str(dtype).removeprefix("torch."), list(shape))
-    if (header.version, header.fingerprint, header.dtype, header.shape) != expected:
+    blocks = header.shape[2] if len(header.shape) == len(shape) and isinstance(header.shape[2], int) else 0
+    if 1 <= blocks <= shape[2]:
+        shape = [*shape[:2], blocks, *shape[3:]]
+    if (header.version, header.fingerprint, header.dtype, header.shape) != expected[:3] + (list(shape),):
         raise CorruptPayload("wrong_format", f"written by another model or layout: {header.fingerprint} "
                                              f"{header.dtype}{header.shape} v{header.version}")
     # Untagged under a secret is what an attacker without the secret writes: bad_tag. Tagged

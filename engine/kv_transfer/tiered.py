@@ -6,12 +6,15 @@ full chunks (``chunk_tokens`` tokens, a multiple of the block size) the tiers ho
 is I/O (a Redis ``EXISTS``, a disk ``stat``), so it never does it itself: it asks the worker
 half through the step's metadata, answers the scheduler "not known yet" (None; the request stays
 queued without holding up the queue) and uses the answer, which comes back in
-``KVConnectorOutput.lookups``, on a later step. An answer that has not come within
+``KVConnectorOutput.lookups``, on a later step. After the full chunks it asks for the longest
+*trailing chunk* (fewer than ``chunk_tokens`` tokens, whole blocks) some tier holds: a prompt's
+last, partial chunk is stored too when its prefill completes, so a tier hit covers the whole
+blocks of a prompt, as a device prefix hit would. An answer that has not come within
 ``lookup_timeout_s`` is a miss for that admission: a slow or hanging store delays a request by
 at most that bound and never stalls a step. The scheduler then allocates blocks for the chunks
 found and parks the request in WAITING_FOR_REMOTE_KV while the worker loads them. The last
-token of the prompt is never loaded (its logits are needed). After a step computes a chunk in
-full, the chunk is saved.
+known token is never loaded (its logits are needed). After a step computes a chunk in full,
+the chunk is saved.
 
 This half never calls a store: even an in-memory call (pin, unpin) takes a store lock that the
 disk tier holds across file deletions. Pins are the worker's: a lookup pins what it found (a
@@ -27,8 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_transfer.base import KVConnectorScheduler
-from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
-from engine.kv_transfer.secret import KVSecret
+from engine.kv_transfer.params import KVTransferParams, token_digest
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -64,11 +66,14 @@ class TierSave:
 
 @dataclass(slots=True)
 class TierLookup:
-    """How many leading ``keys`` (consecutive chunks of one request) some tier holds. The
-    answer is ``KVConnectorOutput.lookups[req_id]``; the chunks found stay pinned until a load
-    of the request takes them over or a release for it arrives."""
+    """How many leading ``keys`` (consecutive chunks of one request) some tier holds, and if all,
+    the longest of ``tail_keys`` (trailing chunks after them, longest first: ``tail_keys[i]``
+    covers ``len(tail_keys) - i`` blocks). The answer is ``KVConnectorOutput.lookups[req_id]``;
+    the chunks found stay pinned until a load of the request takes them over or a release for
+    it arrives."""
     req_id: str
     keys: list[str]
+    tail_keys: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -90,6 +95,7 @@ class PendingLookup:
     first_chunk: int        # the answer counts chunks from this one
     deadline: float         # time.monotonic() after which no answer is a miss
     found: int | None = None  # leading chunks found from first_chunk; None until answered
+    tail_blocks: int = 0    # blocks of the trailing chunk found after them
     timed_out: bool = False   # the deadline passed first: a miss, and later answers are ignored
 
 
@@ -99,15 +105,13 @@ PROMISE_TTL_S = 60.0
 
 class TieredConnectorScheduler(KVConnectorScheduler):
     def __init__(self, block_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 wait_s: float = DEFAULT_PROMISED_WAIT_S, lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
-                 secret: KVSecret | None = None, params_ttl_s: float = PROMISE_TTL_S) -> None:
-        """Never calls a store: lookups and pins are the worker half's (see the module docstring).
-        ``secret`` signs the kv_store_tokens promises it hands out, valid ``params_ttl_s``."""
+                 wait_s: float = DEFAULT_PROMISED_WAIT_S, lookup_timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
+        """Never calls a store: lookups and pins are the worker half's (see the module docstring)."""
         if chunk_tokens <= 0 or chunk_tokens % block_size:
             raise ValueError(f"kv_chunk_tokens={chunk_tokens} must be a positive multiple of the block "
                              f"size ({block_size})")
         self.wait_s = wait_s
-        self.secret, self.params_ttl_s = secret, params_ttl_s
+        self.params_ttl_s = PROMISE_TTL_S
         self.lookup_timeout_s = lookup_timeout_s
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
@@ -115,7 +119,6 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self.lookup_timeouts = 0  # lookups that became misses because no answer came in time
         self._meta = TieredMetadata()
         self._requests: dict[str, Request] = {}
-        self._blocks: dict[str, list[int]] = {}   # mirrors the runner's block tables
         self._saved: dict[str, int] = {}          # leading chunks known to be in the tiers
         self._loading: dict[str, int] = {}        # request -> first chunk of its load in flight
         # Waiting requests' lookups, from the first ask until admission or the end of the request.
@@ -125,11 +128,16 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     def _key(self, request: Request, chunk: int) -> str:
         return request.block_hashes[(chunk + 1) * self.blocks_per_chunk - 1].hex()
 
+    def _loadable_blocks(self, request: Request) -> int:
+        """Whole blocks before the last known token (which is always computed here)."""
+        return min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool] | None:
         req_id = request.request_id
+        loadable = self._loadable_blocks(request)
         first = num_computed_tokens // self.chunk_tokens
-        last = (request.num_tokens - 1) // self.chunk_tokens  # chunks that end before the last token
-        if first >= last or req_id in self._no_lookup:
+        last = loadable // self.blocks_per_chunk  # full chunks that end before the last token
+        if loadable * self.block_size <= num_computed_tokens or req_id in self._no_lookup:
             return 0, False
         params = request.kv_transfer_params
         if params is not None and params.kv_store_tokens > 0 and params.token_digest == token_digest(
@@ -138,16 +146,18 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             # this very prompt (a promise made for other tokens is no promise: it gets a lookup);
             # its writes may still be on their way, so the loader waits for them (up to a
             # deadline). The promise decides what to allocate: no lookup.
-            return self._match(min(params.kv_store_tokens // self.chunk_tokens, last), num_computed_tokens)
+            return self._match(min(params.kv_store_tokens // self.block_size, loadable), num_computed_tokens)
         lookup = self._lookups.get(req_id)
         if lookup is None or (lookup.found is not None and first < lookup.first_chunk):
             # Not asked yet, or the local prefix shrank (its blocks were evicted) since: the
             # answer says nothing about the chunks before the first one asked.
-            self._ask(request, first, last)
+            self._ask(request, first, last, loadable)
             return None
         if lookup.found is not None:
             # A local prefix that grew since is fine: the answer still covers the chunks after it.
-            return self._match(min(lookup.first_chunk + lookup.found, last), num_computed_tokens)
+            end_chunk = min(lookup.first_chunk + lookup.found, last)
+            tail = lookup.tail_blocks if end_chunk == last else 0
+            return self._match(min(end_chunk * self.blocks_per_chunk + tail, loadable), num_computed_tokens)
         if lookup.timed_out:
             return 0, False
         if time.monotonic() < lookup.deadline:
@@ -158,21 +168,23 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         logger.debug("KV store lookup for %s timed out after %.2f s: a miss", req_id, self.lookup_timeout_s)
         return 0, False
 
-    def _match(self, end_chunk: int, num_computed_tokens: int) -> tuple[int, bool]:
-        external = end_chunk * self.chunk_tokens - num_computed_tokens
+    def _match(self, end_block: int, num_computed_tokens: int) -> tuple[int, bool]:
+        external = end_block * self.block_size - num_computed_tokens
         return (external, True) if external > 0 else (0, False)
 
-    def _ask(self, request: Request, first: int, last: int) -> None:
+    def _ask(self, request: Request, first: int, last: int, loadable: int) -> None:
         """One lookup per admission (a new one only if the local prefix shrank under it)."""
         self._lookups[request.request_id] = PendingLookup(first, time.monotonic() + self.lookup_timeout_s)
-        self._meta.lookups.append(TierLookup(request.request_id, [self._key(request, c) for c in range(first, last)]))
+        tails = [request.block_hashes[end - 1].hex() for end in range(loadable, last * self.blocks_per_chunk, -1)]
+        self._meta.lookups.append(TierLookup(request.request_id, [self._key(request, c) for c in range(first, last)],
+                                             tails))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id, found in output.lookups.items():
             lookup = self._lookups.get(req_id)
             if lookup is None or lookup.timed_out or lookup.found is not None:
                 continue  # late (a miss already), or for a request that was admitted or ended
-            lookup.found = found
+            lookup.found, lookup.tail_blocks = found
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:
@@ -188,46 +200,54 @@ class TieredConnectorScheduler(KVConnectorScheduler):
                 self._meta.releases.append(req_id)
             return
         first_local_block = num_local_tokens // self.block_size
+        end_block = (num_local_tokens + num_external_tokens) // self.block_size
+        params = request.kv_transfer_params
+        promised = params is not None and params.kv_store_tokens > 0
+        # The trailing chunk found (or promised) may hold more blocks than are loaded here.
+        tail_end = min(params.kv_store_tokens // self.block_size, len(request.block_hashes)) if promised else end_block
         chunks = []
-        for c in range(num_local_tokens // self.chunk_tokens, end_chunk):
-            first = max(0, first_local_block - c * self.blocks_per_chunk)
+        for c in range(num_local_tokens // self.chunk_tokens, -(-end_block // self.blocks_per_chunk)):
             start = c * self.blocks_per_chunk
-            chunks.append(ChunkLoad(self._key(request, c), first,
-                                    block_ids[start + first:start + self.blocks_per_chunk]))
+            stop = min(start + self.blocks_per_chunk, end_block)
+            first = max(0, first_local_block - start)
+            # A full chunk's key, or the trailing chunk's (named by its own last block).
+            key = request.block_hashes[min(max(tail_end, stop), start + self.blocks_per_chunk) - 1].hex()
+            chunks.append(ChunkLoad(key, first, block_ids[start + first:stop]))
         # Only now, when nothing can raise any more: a request whose admission fails ends, and
         # request_finished releases the lookup it still holds.
         self._lookups.pop(req_id, None)
         self._loading[req_id] = num_local_tokens // self.chunk_tokens
-        promised = request.kv_transfer_params is not None and request.kv_transfer_params.kv_store_tokens > 0
         self._meta.loads.append(TierLoad(req_id, chunks, time.monotonic() + self.wait_s if promised else 0.0))
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput | None) -> TieredMetadata:
-        if scheduler_output is not None:
-            self._plan_saves(scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredMetadata:
+        self._plan_saves(scheduler_output)
         meta, self._meta = self._meta, TieredMetadata()
         return meta
 
+    def has_pending_metadata(self) -> bool:
+        return bool(self._meta.cancels or self._meta.releases)
+
     def _plan_saves(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:  # finished or preempted: the runner drops its table too
-            self._blocks.pop(req_id, None)
-        for new in so.scheduled_new_reqs:
-            self._blocks[new.req_id] = list(new.block_ids)
-        for req_id, block_ids in zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.new_block_ids):
-            self._blocks[req_id].extend(block_ids)
         for req_id, n in so.num_scheduled_tokens.items():
             request = self._requests[req_id]
             # num_computed_tokens is advanced after this call: +n is what this step computes.
             full = (request.num_computed_tokens + n) // self.chunk_tokens
-            blocks = self._blocks[req_id]
+            blocks = self.block_ids_of(req_id)
             for c in range(self._saved.get(req_id, 0), full):
                 self._meta.saves.append(TierSave(
                     self._key(request, c), blocks[c * self.blocks_per_chunk:(c + 1) * self.blocks_per_chunk]))
             self._saved[req_id] = max(self._saved.get(req_id, 0), full)
+            # The prompt's trailing chunk, once, in the step that completes its whole blocks.
+            prompt_blocks = request.num_prompt_tokens // self.block_size
+            tail_start = prompt_blocks // self.blocks_per_chunk * self.blocks_per_chunk
+            if (tail_start < prompt_blocks and request.num_computed_tokens < prompt_blocks * self.block_size
+                    <= request.num_computed_tokens + n):
+                self._meta.saves.append(TierSave(request.block_hashes[prompt_blocks - 1].hex(),
+                                                 blocks[tail_start:prompt_blocks]))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         req_id = request.request_id
         self._requests.pop(req_id, None)
-        self._blocks.pop(req_id, None)
         saved = self._saved.pop(req_id, 0)
         self._no_lookup.discard(req_id)
         lookup = self._lookups.pop(req_id, None)
@@ -238,18 +258,20 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             self._meta.cancels.append(req_id)
             return True, None
         params = request.kv_transfer_params
-        if params is not None and params.do_remote_decode and request.status in (RequestStatus.FINISHED_LENGTH,
-                                                                  RequestStatus.FINISHED_STOPPED):
+        if params is not None and params.do_remote_decode and request.status in (
+                RequestStatus.FINISHED_HANDED_OFF, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             # Store-mode disaggregation: the prompt's chunks are (being) stored; a decode
             # instance on the same store loads them instead of recomputing.
-            tokens = min(saved, (request.num_prompt_tokens - 1) // self.chunk_tokens) * self.chunk_tokens
-            promise = KVTransferParams(kv_store_tokens=tokens,
-                                       token_digest=token_digest(request.prompt_token_ids[:tokens]))
-            return False, sign_kv_transfer_params(promise, self.secret, self.params_ttl_s)
+            full = request.num_prompt_tokens // self.chunk_tokens
+            # All full chunks saved: the trailing chunk was saved with the last of them.
+            tokens = (request.num_prompt_tokens // self.block_size * self.block_size if saved >= full
+                      else saved * self.chunk_tokens)
+            return False, KVTransferParams(kv_store_tokens=tokens,
+                                           token_digest=token_digest(request.prompt_token_ids[:tokens]))
         return False, None
 
     def num_tracked_requests(self) -> int:
-        return (len(self._requests) + len(self._blocks) + len(self._saved) + len(self._loading)
+        return (len(self._requests) + len(self._saved) + len(self._loading)
                 + len(self._lookups) + len(self._no_lookup))
 
     def transfer_done(self, req_id: str, failed: bool = False) -> None:

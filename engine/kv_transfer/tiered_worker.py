@@ -62,6 +62,17 @@ class TieredStore:
             store.count(misses=present.count(False))
         return found.index(False) if False in found else len(found)
 
+    def longest_tail(self, keys: list[str]) -> int | None:
+        """The index of the first of ``keys`` (candidate trailing chunks, longest first) that
+        some tier holds, or None (one existence check per tier)."""
+        best = None
+        for store in self.stores:
+            present = store.contains(keys)
+            if True in present:
+                index = present.index(True)
+                best = index if best is None else min(best, index)
+        return best
+
     def load(self, key: str) -> torch.Tensor | None:
         for depth, store in enumerate(self.stores):
             start = time.perf_counter()
@@ -121,7 +132,7 @@ class TieredConnectorWorker(KVConnectorWorker):
         # posted lookup of a request pinned, until a load or a release ends it.
         self._ticket = 0
         self._asked: dict[str, int] = {}
-        self._answers: dict[str, int] = {}
+        self._answers: dict[str, tuple[int, int]] = {}
         self._leases: dict[str, list[str]] = {}
         # Several loaders: one load waiting for promised chunks must not hold up the others.
         self._threads = [threading.Thread(target=self._load_loop, name=f"kv-store-load-{i}", daemon=True)
@@ -240,15 +251,21 @@ class TieredConnectorWorker(KVConnectorWorker):
         with self._lock:
             if self._asked.get(req_id) != job.ticket:
                 return  # released or superseded while queued: no I/O for an unwanted answer
-        keys = job.lookup.keys
+        keys, tails = job.lookup.keys, job.lookup.tail_keys
         found = keys[:self.tiers.lookup(keys)]
+        tail_blocks = 0
+        if len(found) == len(keys) and tails:
+            index = self.tiers.longest_tail(tails)
+            if index is not None:
+                found.append(tails[index])
+                tail_blocks = len(tails) - index
         if found:
             self.tiers.pin(found)  # before the answer is visible: a load never finds them unpinned
         with self._lock:
             current = self._asked.get(req_id) == job.ticket
             if current:
                 del self._asked[req_id]
-                self._answers[req_id] = len(found)
+                self._answers[req_id] = (len(found) - (tail_blocks > 0), tail_blocks)
                 if found:
                     self._leases[req_id] = found
         if found and not current:
@@ -290,6 +307,8 @@ class TieredConnectorWorker(KVConnectorWorker):
                 kv = self.tiers.load(chunk.key)
             if kv is None:
                 return f"miss: chunk {chunk.key[:12]} is in no tier (evicted, or never written)"
+            if kv.shape[2] < chunk.first_block + len(chunk.block_ids):
+                return f"miss: chunk {chunk.key[:12]} holds {kv.shape[2]} blocks, fewer than asked"
             src = list(range(chunk.first_block, chunk.first_block + len(chunk.block_ids)))
             for s, d, n in contiguous_runs(src, chunk.block_ids):
                 self.kv[:, :, d:d + n].copy_(kv[:, :, s:s + n])

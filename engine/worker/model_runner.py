@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker
+from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allocate_kv_tensor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker import loader
@@ -67,7 +67,9 @@ class RunnerRequest:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int],
-                 reserved_bytes: int = 0) -> None:
+                 connector: KVConnectorWorker | None = None, reserved_bytes: int = 0) -> None:
+        """``connector``: the KV connector's worker half. The runner owns it: it alone calls it,
+        with each step's metadata, and hands back what it reports in ``ModelRunnerOutput``."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -94,8 +96,8 @@ class ModelRunner:
                     time.perf_counter() - start)
 
         self.num_blocks = self._num_blocks(reserved_bytes)
-        self.kv_caches: torch.Tensor | None = None  # allocated by set_connector()
-        self.connector: KVConnectorWorker = NoOpConnectorWorker()
+        self.connector = connector or NoOpConnectorWorker()
+        self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
         # Test hook (FAULTS 24), only with ENGINE_ALLOW_FAULTS=1: the Nth forward pass raises.
@@ -109,16 +111,23 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def set_connector(self, connector: KVConnectorWorker) -> None:
-        """Allocate the paged KV tensors (where the connector wants them, e.g. in shared
-        memory a same-host peer can read) and hand them to the connector."""
+    def _allocate_kv_caches(self) -> torch.Tensor:
+        """The paged KV tensors, where the connector wants them (e.g. in shared memory a
+        same-host peer can read), handed to the connector."""
         cfg = self.model_config
         shape = (cfg.num_layers, *self.backend.kv_cache_shape(self.num_blocks, self.block_size,
                                                               cfg.num_kv_heads, cfg.head_dim))
-        self.connector = connector
-        # Zeroed, not empty: padded attention reads stale-but-finite values, never NaN.
-        self.kv_caches = connector.allocate_kv_cache(shape, self.dtype, self.device)
-        connector.register_kv_caches(self.kv_caches)
+        kv = allocate_kv_tensor(shape, self.dtype, self.device, self.connector.kv_cache_file(shape, self.dtype,
+                                                                                           self.device))
+        self.connector.register_kv_caches(kv)
+        return kv
+
+    def kv_connector_stats(self) -> tuple[tuple[int, dict[str, int], list[float]], dict[str, int], dict[str, dict]]:
+        """(transfer stats, refused KV peers by reason, KV store stats): see KVConnectorWorker."""
+        return self.connector.transfer_stats(), self.connector.auth_failures(), self.connector.store_stats()
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
 
     def _num_blocks(self, reserved_bytes: int) -> int:
         if self.config.num_blocks is not None:

@@ -1,8 +1,8 @@
 """The KVStore contract shared by the CPU, disk and Redis tiers.
 
 A store maps a chunk key (the hex SHA-256 chained hash of the chunk's last block, namespaced
-by the model fingerprint) to the KV of one full chunk: [num_layers, 2, blocks_per_chunk,
-block_size, num_kv_heads, head_dim]. Every method is safe to call from several threads and
+by the model fingerprint) to the KV of one chunk: [num_layers, 2, blocks, block_size,
+num_kv_heads, head_dim], with ``blocks_per_chunk`` blocks (a prompt's trailing chunk: fewer). Every method is safe to call from several threads and
 never raises for a missing, corrupt or unreachable entry: that is a miss.
 """
 from __future__ import annotations
