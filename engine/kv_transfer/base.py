@@ -31,6 +31,45 @@ def queued(jobs: queue.Queue, stop: threading.Event) -> Iterator[Any]:
             continue
 
 
+class LoadBook:
+    """A worker half's account of its loads (P2P pulls, tier loads): those queued or running,
+    those cancelled meanwhile, and results not yet reported. The engine thread submits and
+    takes; loader threads check for cancels and finish."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outstanding: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._done: set[str] = set()
+        self._failed: dict[str, str] = {}
+
+    def submit(self, req_ids: list[str], cancels: list[str]) -> None:
+        with self._lock:
+            # A cancel for a load that already finished is moot (and would linger).
+            self._cancelled.update(r for r in cancels if r in self._outstanding)
+            self._outstanding.update(req_ids)
+
+    def is_cancelled(self, req_id: str) -> bool:
+        return req_id in self._cancelled
+
+    def finish(self, req_id: str, error: str | None) -> None:
+        """The load of ``req_id`` is over: done (``error`` None) or failed, "<reason>: <detail>"."""
+        with self._lock:
+            self._cancelled.discard(req_id)
+            self._outstanding.discard(req_id)
+            if error is None:
+                self._done.add(req_id)
+            else:
+                self._failed[req_id] = error
+
+    def take(self) -> tuple[set[str], dict[str, str]]:
+        """(loads done, loads failed with their reason) since the last call."""
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), {}
+        return done, failed
+
+
 def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) runs where both block lists advance by one: one copy each."""
     runs: list[tuple[int, int, int]] = []

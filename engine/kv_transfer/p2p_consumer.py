@@ -33,7 +33,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.kv_transfer.base import contiguous_runs, queued
+from engine.kv_transfer.base import LoadBook, contiguous_runs, queued
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec
 from engine.kv_transfer.p2p_wire import (
     FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, Auth, Challenge, Chunk, ChunkLayout, Hello, HelloReply, Pull,
@@ -77,10 +77,7 @@ class P2PConsumer:
         self._secret, self._encrypt = secret or NO_AUTH_SECRET, encrypt
         self.chunk_bytes = chunk_bytes
         self.kv: torch.Tensor | None = None
-        self._done_recving: set[str] = set()
-        self._failed: dict[str, str] = {}
-        self._cancelled: set[str] = set()
-        self._outstanding: set[str] = set()  # loads queued or running
+        self.loads = LoadBook()
         self._jobs: queue.Queue[LoadSpec | ReleaseSpec] = queue.Queue()
         self._stop = threading.Event()
         # Several pullers, each with its own peer sockets: a transfer that stalls (a dropped
@@ -95,10 +92,7 @@ class P2PConsumer:
             t.start()
 
     def submit(self, metadata: P2PMetadata) -> None:
-        with self._lock:
-            # A cancel for a load that already finished is moot (and would linger).
-            self._cancelled.update(r for r in metadata.cancels if r in self._outstanding)
-            self._outstanding.update(spec.req_id for spec in metadata.loads)
+        self.loads.submit([spec.req_id for spec in metadata.loads], metadata.cancels)
         for spec in metadata.loads:
             self._jobs.put(spec)
         for release in metadata.releases:
@@ -106,10 +100,7 @@ class P2PConsumer:
 
     def take_finished(self) -> tuple[set[str], dict[str, str]]:
         """(loads done, loads failed with their reason) since the last call."""
-        with self._lock:
-            done, failed = self._done_recving, self._failed
-            self._done_recving, self._failed = set(), {}
-        return done, failed
+        return self.loads.take()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -131,15 +122,11 @@ class P2PConsumer:
                     peers[addr].send(Release(job.remote_request_id, job.token_digest))
                     continue
                 error = self._load(job, peers)
-                with self._lock:
-                    self._cancelled.discard(job.req_id)
-                    self._outstanding.discard(job.req_id)
-                    if error is None:
-                        self._done_recving.add(job.req_id)
-                    else:
-                        self._failed[job.req_id] = error
+                if error is not None:
+                    with self._lock:
                         reason = error.split(":")[0]  # errors start with their reason
                         self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
+                self.loads.finish(job.req_id, error)
                 if error is not None:
                     logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
                     peer = peers.pop(job.remote_addr, None)
@@ -216,7 +203,7 @@ class P2PConsumer:
         """The next accepted message (with its raw frames), or an error string. ``Refused`` ends
         it: the producer does not take us for authenticated (any more)."""
         while True:
-            if req_id is not None and req_id in self._cancelled:
+            if req_id is not None and self.loads.is_cancelled(req_id):
                 return "cancelled: the request ended"
             remaining = deadline - time.monotonic()
             if remaining <= 0:

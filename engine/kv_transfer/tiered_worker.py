@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_transfer.base import KVConnectorWorker, contiguous_runs, queued
+from engine.kv_transfer.base import KVConnectorWorker, LoadBook, contiguous_runs, queued
 from engine.kv_transfer.stores.base import KVStore
 from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
 from engine.outputs import KVConnectorOutput
@@ -117,16 +117,13 @@ class TieredConnectorWorker(KVConnectorWorker):
         self.kv: torch.Tensor | None = None
         # Guards the per-request state below; never held across a store call.
         self._lock = threading.Lock()
-        self._done: set[str] = set()
-        self._failed: dict[str, str] = {}
-        self._cancelled: set[str] = set()
+        self.loads = LoadBook()
         self._loads: queue.Queue[TierLoad] = queue.Queue()
         self._saves: queue.Queue[tuple[str, torch.Tensor]] = queue.Queue()
         self._lookup_jobs: queue.Queue[_LookupJob | _UnpinJob] = queue.Queue()
         self._pending_save_bytes = 0
         self.skipped_saves = 0
         self._stop = threading.Event()
-        self._outstanding: set[str] = set()  # loads queued or running
         # Lookup state. Invariant: a request is in at most one of _asked (a lookup queued or
         # running) and _answers (posted, not yet collected); _leases holds what the last
         # posted lookup of a request pinned, until a load or a release ends it.
@@ -156,10 +153,8 @@ class TieredConnectorWorker(KVConnectorWorker):
             return
         unpins: list[list[str]] = []
         jobs: list[_LookupJob] = []
+        self.loads.submit([load.req_id for load in metadata.loads], metadata.cancels)
         with self._lock:
-            # A cancel for a load that already finished is moot (and would linger).
-            self._cancelled.update(r for r in metadata.cancels if r in self._outstanding)
-            self._outstanding.update(load.req_id for load in metadata.loads)
             for req_id in metadata.releases:
                 self._end_lookup(req_id, unpins)
             for lookup in metadata.lookups:
@@ -203,11 +198,11 @@ class TieredConnectorWorker(KVConnectorWorker):
             self._saves.put((save.key, chunk))
 
     def get_finished(self) -> KVConnectorOutput:
+        done, failed = self.loads.take()
         with self._lock:
-            out = KVConnectorOutput(finished_recving=self._done, failed_recving=set(self._failed),
-                                    failure_reasons=dict(self._failed), lookups=self._answers)
-            self._done, self._failed, self._answers = set(), {}, {}
-        return out
+            answers, self._answers = self._answers, {}
+        return KVConnectorOutput(finished_recving=done, failed_recving=set(failed), failure_reasons=failed,
+                                 lookups=answers)
 
     def store_stats(self) -> dict[str, dict]:
         """Never waits on a store: a slow tier's used_bytes is the saver's last reading."""
@@ -287,24 +282,24 @@ class TieredConnectorWorker(KVConnectorWorker):
                 error = f"error: {type(exc).__name__}: {exc}"
             finally:
                 self.tiers.unpin(keys)
-            with self._lock:
-                self._cancelled.discard(load.req_id)
-                self._outstanding.discard(load.req_id)
-                if error is None:
-                    self._done.add(load.req_id)
-                else:
-                    self._failed[load.req_id] = error
+            self.loads.finish(load.req_id, error)
             if error is not None and not error.startswith("cancelled"):
                 logger.info("KV store load for %s fell short (%s); recomputing", load.req_id, error)
 
+    def _fetch(self, load: TierLoad, key: str) -> torch.Tensor | None:
+        if self.loads.is_cancelled(load.req_id):
+            return None
+        kv = self.tiers.load(key)
+        while kv is None and time.monotonic() < load.wait_until and not self.loads.is_cancelled(load.req_id):
+            time.sleep(0.005)  # promised by a prefill instance whose write is still on its way
+            kv = self.tiers.load(key)
+        return kv
+
     def _load(self, load: TierLoad) -> str | None:
         for chunk in load.chunks:
-            if load.req_id in self._cancelled:
+            if self.loads.is_cancelled(load.req_id):
                 return "cancelled: the request ended"
-            kv = self.tiers.load(chunk.key)
-            while kv is None and time.monotonic() < load.wait_until and load.req_id not in self._cancelled:
-                time.sleep(0.005)  # promised by a prefill instance whose write is still on its way
-                kv = self.tiers.load(chunk.key)
+            kv = self._fetch(load, chunk.key)
             if kv is None:
                 return f"miss: chunk {chunk.key[:12]} is in no tier (evicted, or never written)"
             if kv.shape[2] < chunk.first_block + len(chunk.block_ids):
