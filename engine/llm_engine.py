@@ -177,8 +177,9 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Checks a prompt against the model and the pool; returns the resolved max_tokens."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, hands_off: bool = False) -> int:
+        """Checks a prompt against the model and the pool; returns the resolved max_tokens. A
+        request that hands off after its first token needs blocks for the prompt only."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("prompt must not be empty", "prompt")
@@ -198,7 +199,7 @@ class LLMEngine:
                 f"{max_tokens} output tokens and your prompt contains {num_prompt} input tokens, for a total of "
                 f"{num_prompt + max_tokens} tokens.", "max_tokens")
         kv = self.kv_cache_manager
-        needed = kv.blocks_needed(num_prompt + max_tokens - 1)
+        needed = kv.blocks_needed(num_prompt + (0 if hands_off else max_tokens - 1))
         if needed > kv.num_blocks:
             raise InvalidRequestError(
                 f"request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} max tokens) but the whole "
@@ -231,10 +232,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is still in use (its KV transfer has not "
                                       "finished); use a new id", "request_id")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
-        max_tokens = self.validate(prompt_token_ids, params)
         first_tokens = self._first_tokens(kv_transfer_params, params, prompt_token_ids)
-        # A prefill instance's request ends after its first token and hands off to a decode instance.
-        hands_off = kv_transfer_params is not None and kv_transfer_params.do_remote_decode and first_tokens is None
+        # A prefill instance's request ends after its first token and hands off to a decode
+        # instance (only where a connector can hand its KV on: elsewhere the flag is ignored).
+        hands_off = (kv_transfer_params is not None and kv_transfer_params.do_remote_decode and first_tokens is None
+                     and self.scheduler.connector.offers_kv)
+        max_tokens = self.validate(prompt_token_ids, params, hands_off)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         state = _RequestState(request_id, prompt_text, prompt_token_ids, kind, {}, arrival_time, hands_off=hands_off)
         requests: list[Request] = []
@@ -319,6 +322,8 @@ class LLMEngine:
             state = self._states.pop(request_id, None)
             if state is None:
                 continue
+            if state in self._finished_on_arrival:
+                self._finished_on_arrival.remove(state)
             for child_id in state.children:
                 self._child_to_parent.pop(child_id, None)
             self.scheduler.finish_requests(list(state.children), RequestStatus.FINISHED_ABORTED)

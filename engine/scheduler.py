@@ -62,8 +62,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        # The KV of the last sampled token is never computed, hence the -1.
-        needed = self.kv.blocks_needed(request.num_prompt_tokens + request.max_tokens - 1)
+        # The KV of the last sampled token is never computed, hence the -1 (a request handing off
+        # after its first token computes the prompt only).
+        needed = self.kv.blocks_needed(request.num_prompt_tokens + (0 if request.hands_off else request.max_tokens - 1))
         if needed > self.kv.num_blocks:
             # It could never run, even alone: finish it now instead of preempting forever.
             request.status = RequestStatus.FINISHED_ERROR

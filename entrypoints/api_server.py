@@ -27,6 +27,7 @@ from engine.kv_transfer.params import (
 from engine.sampling_params import MAX_LOGPROBS
 from entrypoints.metrics import ServerMetrics
 from entrypoints.protocol import (
+    FIRST_TOKENS_SHOWN,
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -216,10 +217,11 @@ class OpenAIServer:
         try:
             for i, prompt_ids in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                # A streaming client of a decode instance (the proxy) has shown the first tokens
-                # the prefill instance sampled: the stream goes on after them.
+                # A streaming proxy that has shown the first tokens the prefill instance sampled
+                # says so: the stream goes on after them. (Anyone else gets them in the stream.)
+                shown = bool(request.stream) and raw.headers.get(FIRST_TOKENS_SHOWN) == "1"
                 streams.append(await self.client.add_request(sub_id, prompt_ids, params, kv_params[i],
-                                                             first_tokens_shown=bool(request.stream)))
+                                                             first_tokens_shown=shown))
         except EngineRequestError as exc:
             for s in streams:
                 s.close()

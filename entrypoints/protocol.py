@@ -19,6 +19,11 @@ MAX_BODY_BYTES = 32 * 2**20
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 
+# Header from `engine proxy` to a decode instance: the streaming client was already shown the
+# first tokens the prefill instance sampled, so the decode's stream goes on after them.
+FIRST_TOKENS_SHOWN = "X-Engine-First-Tokens-Shown"
+
+
 class BodyError(ValueError):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from entrypoints.protocol import (
+    FIRST_TOKENS_SHOWN,
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -133,6 +134,8 @@ class Proxy:
         d_body = {**body, "kv_transfer_params": params}
         upstream = self.ordered(self.decodes)[0]
         if body.get("stream"):
+            # The client has the first tokens: D's stream goes on after them.
+            headers = {**headers, FIRST_TOKENS_SHOWN: "1"}
             return await self._stream_decode(upstream, path, d_body, headers, request_id, first)
         return await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
 

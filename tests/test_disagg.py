@@ -220,7 +220,10 @@ def test_decode_acts_only_on_signed_params(pd, colocated):
                  "kv_transfer_params.signature"),
                 (_signed({**signed, "remote_kv_addr": elsewhere}, pd.secret, ttl_s=-3600),
                  "kv_transfer_params.expires_at"),
-                ({"kv_store_tokens": 32}, "kv_transfer_params.signature")]:
+                ({"kv_store_tokens": 32}, "kv_transfer_params.signature"),
+                # First tokens are someone else's output too: signed or refused.
+                ({"first_token_ids": [5], "first_tokens_digest": token_digest(prompt)},
+                 "kv_transfer_params.signature")]:
             resp = decode(bad)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (bad, resp.text)
         with pytest.raises(BlockingIOError):
@@ -488,3 +491,22 @@ def test_the_first_token_streams_before_decode_is_asked(tiny_llama, colocated):
     finally:
         proxy.stop()
         prefill.stop()
+
+
+def test_a_decode_stream_leaves_out_the_first_tokens_only_when_told(pd, colocated):
+    """D continues from P's first token. `engine proxy` has shown it and says so with a header,
+    so D's stream goes on after it; any other streaming client of D gets the whole text."""
+    body = {"prompt": "Who showed the first token", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = colocated.generate(body["prompt"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    for told in (False, True):
+        p = httpx.post(f"{pd.prefill.url}/v1/completions", timeout=30,
+                       json={**body, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        headers = {"X-Engine-First-Tokens-Shown": "1"} if told else {}
+        resp = httpx.post(f"{pd.decode.url}/v1/completions", timeout=30, headers=headers, json={
+            **body, "stream": True, "stream_options": {"include_usage": True},
+            "kv_transfer_params": p["kv_transfer_params"]})
+        events, text = _stream_text(resp)
+        first = p["choices"][0]["text"]
+        assert (first + text if told else text) == want, told
+        assert events[-1]["usage"]["completion_tokens"] == 6

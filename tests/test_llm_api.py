@@ -163,3 +163,47 @@ def test_invalid_sampling_params_name_the_field():
                           (dict(min_tokens=5, max_tokens=2), "min_tokens")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
+
+
+def _drain(engine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+def test_first_tokens_from_a_prefill_continue_and_finish_on_arrival(llm):
+    """Issue 13, in process: a request carrying the first token another instance sampled
+    continues from it exactly (greedy: the same answer); one whose first token already ends it
+    (max_tokens 1) finishes on arrival; aborting that one before the next step, then reusing its
+    id, neither crashes the step nor hands the new request the old output."""
+    from engine.kv_transfer.params import token_digest
+    engine = llm.engine
+    prompt = engine.tokenizer.encode("Continue from the first token")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    first = {"first_token_ids": [want.token_ids[0]], "first_tokens_digest": token_digest(prompt)}
+    engine.add_request("cont", prompt, params, kv_transfer_params=first)
+    out = [o for o in _drain(engine) if o.finished][0]
+    assert out.outputs[0].token_ids == want.token_ids and out.outputs[0].text == want.text
+    engine.add_request("done", prompt, params.replace(max_tokens=1), kv_transfer_params=first)
+    engine.abort_request("done")
+    assert _drain(engine) == []
+    engine.add_request("done", prompt, params, OutputKind.FINAL_ONLY)
+    (out,) = _drain(engine)
+    assert out.request_id == "done" and out.outputs[0].token_ids == want.token_ids
+    # First tokens sampled for another prompt are not used: it samples its own.
+    engine.add_request("other", prompt[:-1], params, kv_transfer_params=first)
+    (out,) = [o for o in _drain(engine) if o.finished]
+    assert out.outputs[0].token_ids == llm.generate([prompt[:-1]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_do_remote_decode_is_ignored_without_a_kv_connector(llm):
+    """Only an instance that can hand its KV on (a prefill, a KV store) ends a request after its
+    first token; a plain one answers in full and hands out no parameters."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    (out,) = llm.generate(["no connector here"], params, use_tqdm=False)
+    llm.engine.add_request("p", "no connector here", params, OutputKind.FINAL_ONLY,
+                           kv_transfer_params={"do_remote_decode": True})
+    (got,) = _drain(llm.engine)
+    assert got.outputs[0].token_ids == out.outputs[0].token_ids and got.kv_transfer_params is None

@@ -89,6 +89,9 @@ class KVConnectorScheduler(ABC):
     load_failure_policy: str = "recompute"
     # How long the kv_transfer_params this half hands out may be acted on.
     params_ttl_s: float = 60.0
+    # Whether this instance can hand a prompt's KV on (a prefill instance, a KV store): only
+    # then does a do_remote_decode request end after its first token.
+    offers_kv: bool = False
     # The scheduler's block table (request id -> block ids), bound by the scheduler: read-only.
     block_ids_of: Callable[[str], list[int]] = staticmethod(lambda req_id: [])
 

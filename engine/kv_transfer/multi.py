@@ -32,6 +32,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         self.connectors = connectors
         self.load_failure_policy = connectors[0].load_failure_policy
         self.params_ttl_s = connectors[0].params_ttl_s
+        self.offers_kv = any(c.offers_kv for c in connectors)
         self._loader: dict[str, KVConnectorScheduler] = {}  # request -> the connector of its admission's load
 
     @property

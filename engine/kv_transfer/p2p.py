@@ -158,9 +158,13 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         return addr
 
     # ---- producer ------------------------------------------------------------------------
+    @property
+    def offers_kv(self) -> bool:
+        return self.advertised_addr is not None
+
     def _offers(self, request: Request) -> bool:
         params = request.kv_transfer_params
-        return params is not None and params.do_remote_decode and self.advertised_addr is not None
+        return request.hands_off and params is not None and params.do_remote_decode and self.offers_kv
 
     def _offer(self, request: Request) -> None:
         """The step computes the prompt's last token: its KV goes on offer after the forward pass."""

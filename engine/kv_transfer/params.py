@@ -65,8 +65,9 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
 
     @property
     def acts_on_remote_kv(self) -> bool:
-        """Whether these parameters make the receiver act on KV it did not compute."""
-        return self.do_remote_prefill or self.kv_store_tokens > 0
+        """Whether these parameters make the receiver act on KV, or tokens, it did not compute:
+        with a deployment secret, only when signed by one of its prefill instances."""
+        return self.do_remote_prefill or self.kv_store_tokens > 0 or self.first_token_ids is not None
 
     def __post_init__(self) -> None:
         if self.inject_fault is not None and not _FAULT.fullmatch(self.inject_fault):

@@ -112,6 +112,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
                              f"size ({block_size})")
         self.wait_s = wait_s
         self.params_ttl_s = PROMISE_TTL_S
+        self.offers_kv = True  # store-mode disaggregation: the tiers hold the prompt's KV
         self.lookup_timeout_s = lookup_timeout_s
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
@@ -191,7 +192,9 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         req_id = request.request_id
         self._requests[req_id] = request
         end_chunk = (num_local_tokens + num_external_tokens) // self.chunk_tokens
-        self._saved[req_id] = max(self._saved.get(req_id, 0), end_chunk)
+        # (Set, not raised: after a failed load, or a load by another connector that failed,
+        # the chunks it was to bring are not in the tiers on our account.)
+        self._saved[req_id] = end_chunk
         # Admitted: its lookup is used up. A load takes over the lookup's pins (the worker
         # unpins them once it has read the chunks); otherwise the worker unpins them now.
         if num_external_tokens == 0:
@@ -258,7 +261,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             self._meta.cancels.append(req_id)
             return True, None
         params = request.kv_transfer_params
-        if params is not None and params.do_remote_decode and request.status in (
+        if request.hands_off and params is not None and params.do_remote_decode and request.status in (
                 RequestStatus.FINISHED_HANDED_OFF, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             # Store-mode disaggregation: the prompt's chunks are (being) stored; a decode
             # instance on the same store loads them instead of recomputing.
