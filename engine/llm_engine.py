@@ -183,11 +183,8 @@ class LLMEngine:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        for name, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"token id {bad[0]!r} in {name} is out of vocabulary "
-                                          f"(size {self.vocab_size})", name)
+        self._check_vocabulary("prompt", prompt_token_ids)
+        self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
@@ -205,6 +202,12 @@ class LLMEngine:
                 f"request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} max tokens) but the whole "
                 f"KV pool has {kv.num_blocks} blocks of {kv.block_size} tokens", "max_tokens")
         return max_tokens
+
+    def _check_vocabulary(self, name: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} in {name} is out of vocabulary (size {self.vocab_size})",
+                                      name)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY, arrival_time: float | None = None,
@@ -282,10 +285,7 @@ class LLMEngine:
         field = "kv_transfer_params.first_token_ids"
         if len(ids) != params.n:
             raise InvalidRequestError(f"{field} has {len(ids)} tokens for n={params.n} sequences", field)
-        bad = [t for t in ids if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} in {field} is out of vocabulary (size {self.vocab_size})",
-                                      field)
+        self._check_vocabulary(field, ids)
         if entries is not None and any(not e or e[0][0] != t or any(i >= self.vocab_size for i, _, _ in e)
                                        for t, e in zip(ids, entries)):
             raise InvalidRequestError("kv_transfer_params.first_logprobs must hold, per first token, that token's "

@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hmac
-import json
 import logging
 import time
 from typing import AsyncIterator
@@ -39,6 +38,9 @@ from entrypoints.protocol import (
     document_request_bodies,
     read_json_object,
     request_id_of,
+    role_choice,
+    sse,
+    stream_choice,
 )
 
 logger = logging.getLogger("engine.api")
@@ -78,10 +80,6 @@ def _chat_message(index: int, message) -> dict:
             texts.append(part["text"])
         out["content"] = "\n".join(texts)
     return out
-
-
-def _sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 class OpenAIServer:
@@ -410,17 +408,16 @@ class _Response:
         completed = False
 
         def chunk(choices: list[dict], **extra) -> str:
-            return _sse({"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+            return sse({"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                          "choices": choices, **extra})
 
         try:
             if self.chat:  # the role comes first, once per choice
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(len(self.prompts) * self.n)])
+                yield chunk([role_choice(i) for i in range(len(self.prompts) * self.n)])
             async for i, delta in self._merged(streams):
                 self._record(i, delta)
                 if delta.error is not None and all(c.finish_reason == "error" for c in delta.choices):
-                    yield _sse(APIError(500, delta.error).body())
+                    yield sse(APIError(500, delta.error).body())
                     break
                 out = []
                 for c in delta.choices:
@@ -438,22 +435,17 @@ class _Response:
             self._finish_metrics()
         except EngineRequestError as exc:
             completed = True
-            yield _sse(APIError(exc.status, str(exc), exc.param).body())
+            yield sse(APIError(exc.status, str(exc), exc.param).body())
         finally:
             for s in streams:  # a client that went away cancels us here: abort in the engine
                 s.close()
             if not completed:
                 self._finish_metrics(aborted=True)
-        yield _sse("[DONE]")
+        yield sse("[DONE]")
 
     def _stream_choice(self, index: int, c: ChoiceDelta, offsets: dict[int, int]) -> dict:
-        logprobs = self._logprobs(c.logprobs, offsets.get(index, 0))
-        if self.chat:
-            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
-        return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        return stream_choice(index, c.text, self._logprobs(c.logprobs, offsets.get(index, 0)), c.finish_reason,
+                             c.stop_reason, self.chat)
 
 
 def build_app(server: OpenAIServer) -> FastAPI:

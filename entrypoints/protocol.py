@@ -24,6 +24,26 @@ _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 FIRST_TOKENS_SHOWN = "X-Engine-First-Tokens-Shown"
 
 
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def stream_choice(index: int, text: str, logprobs, finish_reason: str | None, stop_reason, chat: bool) -> dict:
+    """One choice of a streamed chunk, as the API server and the proxy stream it."""
+    if chat:
+        delta = {"content": text} if text or finish_reason is None else {}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def role_choice(index: int) -> dict:
+    """The first chunk of a streamed chat choice: its role."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
 class BodyError(ValueError):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -35,6 +34,9 @@ from entrypoints.protocol import (
     document_request_bodies,
     read_json_object,
     request_id_of,
+    role_choice,
+    sse,
+    stream_choice,
 )
 
 logger = logging.getLogger("engine.proxy")
@@ -180,7 +182,7 @@ class Proxy:
             except httpx.HTTPError as exc:  # D died or stalled mid-stream: tell the client, then end
                 err = {"error": {"message": f"decode {upstream.url} failed mid-stream: {type(exc).__name__}",
                                  "type": "upstream_error", "param": None, "code": 502}}
-                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                yield sse(err) + sse("[DONE]")
             finally:
                 # Also runs when the client disconnects: closing aborts the request on D.
                 await resp.aclose()
@@ -210,48 +212,38 @@ class FirstTokens:
         self.choices = answer.get("choices") or []
         self.final = all(c.get("finish_reason") is not None for c in self.choices)
 
-    def _chunk(self, choices: list[dict], **extra) -> bytes:
+    def _chunk(self, choices: list[dict], **extra) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         a = self.answer
-        return _event({"id": a.get("id"), "object": obj, "created": a.get("created"), "model": a.get("model"),
-                       "choices": choices, **extra})
+        return sse({"id": a.get("id"), "object": obj, "created": a.get("created"), "model": a.get("model"),
+                    "choices": choices, **extra})
 
     def _delta(self, choice: dict, finish: bool) -> dict:
-        reason = choice.get("finish_reason") if finish else None
-        stop_reason = choice.get("stop_reason") if finish else None
-        if self.chat:
-            content = (choice.get("message") or {}).get("content") or ""
-            delta = {"content": content} if content or reason is None else {}
-            return {"index": choice["index"], "delta": delta, "logprobs": choice.get("logprobs"),
-                    "finish_reason": reason, "stop_reason": stop_reason}
-        return {"index": choice["index"], "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
-                "finish_reason": reason, "stop_reason": stop_reason}
+        text = ((choice.get("message") or {}).get("content") or "") if self.chat else choice.get("text", "")
+        return stream_choice(choice["index"], text, choice.get("logprobs"),
+                             choice.get("finish_reason") if finish else None,
+                             choice.get("stop_reason") if finish else None, self.chat)
 
-    def role_chunk(self) -> bytes:
-        return self._chunk([{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None} for c in self.choices])
+    def role_chunk(self) -> str:
+        return self._chunk([role_choice(c["index"]) for c in self.choices])
 
-    def continuing_chunk(self) -> bytes:
+    def continuing_chunk(self) -> str:
         """The sequences D continues; those that ended with their first token come from D whole."""
         return self._chunk([self._delta(c, finish=False) for c in self.choices if c.get("finish_reason") is None])
 
-    def final_stream(self, include_usage: bool) -> list[bytes]:
+    def final_stream(self, include_usage: bool) -> list[str]:
         events = [self.role_chunk()] if self.chat else []
         events.append(self._chunk([self._delta(c, finish=True) for c in self.choices]))
         if include_usage:
             events.append(self._chunk([], usage=self.answer.get("usage")))
-        return events + [b"data: [DONE]\n\n"]
-
-
-def _event(data: dict) -> bytes:
-    return f"data: {json.dumps(data)}\n\n".encode()
+        return events + [sse("[DONE]")]
 
 
 def _error_event(resp: JSONResponse) -> bytes:
     return bytes(b"data: " + resp.body + b"\n\ndata: [DONE]\n\n")
 
 
-async def _replay(events: list[bytes]):
+async def _replay(events: list[str]):
     for event in events:
         yield event
 

@@ -114,12 +114,15 @@ class MultiConnectorWorker(KVConnectorWorker):
         for worker in self.workers:
             worker.register_kv_caches(kv_caches)
 
+    def _with_parts(self, metadata: MultiMetadata | None):
+        return zip(self.workers, metadata.parts if metadata is not None else [None] * len(self.workers))
+
     def start_load_kv(self, metadata: MultiMetadata | None) -> None:
-        for worker, part in zip(self.workers, metadata.parts if metadata is not None else [None] * len(self.workers)):
+        for worker, part in self._with_parts(metadata):
             worker.start_load_kv(part)
 
     def save_kv(self, metadata: MultiMetadata | None) -> None:
-        for worker, part in zip(self.workers, metadata.parts if metadata is not None else [None] * len(self.workers)):
+        for worker, part in self._with_parts(metadata):
             worker.save_kv(part)
 
     def get_finished(self) -> KVConnectorOutput:

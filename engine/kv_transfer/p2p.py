@@ -105,7 +105,8 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._loading: set[str] = set()   # consumer requests whose load is in flight
         self._consumed: set[str] = set()  # remote KV already used or given up on: never pulled twice
         self._producing: dict[str, Request] = {}  # producer requests whose KV is not on offer yet
-        self._offered: set[str] = set()  # producer requests whose KV is on offer (or being withdrawn)
+        # Producer requests whose KV is on offer (or being withdrawn) -> the digest of its tokens.
+        self._offered: dict[str, str] = {}
 
     # ---- consumer ------------------------------------------------------------------------
     def _remote(self, request: Request) -> KVTransferParams | None:
@@ -172,10 +173,9 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         num_blocks = -(-num_tokens // self.block_size)
         params = request.kv_transfer_params
         fault = params.inject_fault if os.environ.get("ENGINE_ALLOW_KV_FAULTS") == "1" else None
+        digest = self._offered[request.request_id] = token_digest(request.prompt_token_ids)
         self._meta.sends.append(SendSpec(request.request_id, self.block_ids_of(request.request_id)[:num_blocks],
-                                         num_tokens, time.monotonic() + self.lease_s,
-                                         token_digest(request.prompt_token_ids), fault))
-        self._offered.add(request.request_id)
+                                         num_tokens, time.monotonic() + self.lease_s, digest, fault))
 
     def withdraw(self, req_id: str) -> bool:
         if req_id not in self._offered:
@@ -221,7 +221,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         return True, KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_kv_addr=self.advertised_addr,
             remote_host_id=host_id(), remote_request_id=req_id, num_tokens=request.num_prompt_tokens,
-            token_digest=token_digest(request.prompt_token_ids))
+            token_digest=self._offered[req_id])
 
     def num_tracked_requests(self) -> int:
         return len(self._loading) + len(self._consumed) + len(self._producing) + len(self._offered)
@@ -230,4 +230,4 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._loading.discard(req_id)
 
     def send_done(self, req_id: str) -> None:
-        self._offered.discard(req_id)
+        self._offered.pop(req_id, None)

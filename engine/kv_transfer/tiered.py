@@ -126,8 +126,13 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self._lookups: dict[str, PendingLookup] = {}
         self._no_lookup: set[str] = set()  # a load of theirs failed: they recompute from here on
 
+    @staticmethod
+    def _block_key(request: Request, end_block: int) -> str:
+        """The key of a chunk that ends with block ``end_block - 1``: that block's chained hash."""
+        return request.block_hashes[end_block - 1].hex()
+
     def _key(self, request: Request, chunk: int) -> str:
-        return request.block_hashes[(chunk + 1) * self.blocks_per_chunk - 1].hex()
+        return self._block_key(request, (chunk + 1) * self.blocks_per_chunk)
 
     def _loadable_blocks(self, request: Request) -> int:
         """Whole blocks before the last known token (which is always computed here)."""
@@ -176,7 +181,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     def _ask(self, request: Request, first: int, last: int, loadable: int) -> None:
         """One lookup per admission (a new one only if the local prefix shrank under it)."""
         self._lookups[request.request_id] = PendingLookup(first, time.monotonic() + self.lookup_timeout_s)
-        tails = [request.block_hashes[end - 1].hex() for end in range(loadable, last * self.blocks_per_chunk, -1)]
+        tails = [self._block_key(request, end) for end in range(loadable, last * self.blocks_per_chunk, -1)]
         self._meta.lookups.append(TierLookup(request.request_id, [self._key(request, c) for c in range(first, last)],
                                              tails))
 
@@ -214,7 +219,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             stop = min(start + self.blocks_per_chunk, end_block)
             first = max(0, first_local_block - start)
             # A full chunk's key, or the trailing chunk's (named by its own last block).
-            key = request.block_hashes[min(max(tail_end, stop), start + self.blocks_per_chunk) - 1].hex()
+            key = self._block_key(request, min(max(tail_end, stop), start + self.blocks_per_chunk))
             chunks.append(ChunkLoad(key, first, block_ids[start + first:stop]))
         # Only now, when nothing can raise any more: a request whose admission fails ends, and
         # request_finished releases the lookup it still holds.
@@ -245,7 +250,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             tail_start = prompt_blocks // self.blocks_per_chunk * self.blocks_per_chunk
             if (tail_start < prompt_blocks and request.num_computed_tokens < prompt_blocks * self.block_size
                     <= request.num_computed_tokens + n):
-                self._meta.saves.append(TierSave(request.block_hashes[prompt_blocks - 1].hex(),
+                self._meta.saves.append(TierSave(self._block_key(request, prompt_blocks),
                                                  blocks[tail_start:prompt_blocks]))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
