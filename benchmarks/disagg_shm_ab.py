@@ -1,5 +1,5 @@
-"""A/B in one run: P->D TTFT with the prefill's KV in /dev/shm (the default) against private
-memory (ENGINE_KV_SHM=0), next to a colocated server; requests interleaved, medians of 8.
+"""A/B in one run: P->D TTFT with the prefill's KV in private memory (the default) against
+/dev/shm (ENGINE_KV_SHM=1), next to a colocated server; requests interleaved, medians of 8.
 
     python benchmarks/disagg_shm_ab.py [PROMPT_TOKENS]   (default 512)
 """
@@ -23,9 +23,10 @@ def main() -> None:
     model = str(resolve_model(None))
     servers = [ServerProcess(model, *args), ServerProcess(model, *args, "--role", "decode")]
     colocated, decode = servers
-    servers.append(ServerProcess(model, *args, "--role", "prefill", "--kv-port", str(free_port())))
     servers.append(ServerProcess(model, *args, "--role", "prefill", "--kv-port", str(free_port()),
-                                 env={"ENGINE_KV_SHM": "0"}))
+                                 env={"ENGINE_KV_SHM": "1"}))
+    servers.append(ServerProcess(model, *args, "--role", "prefill", "--kv-port", str(free_port()),
+                                 env={"ENGINE_KV_SHM": "0"}))  # the default, stated
     proxies = [ProxyProcess([p.url], [decode.url]) for p in servers[2:]]
     targets = {"colocated": colocated.url, "shared-memory KV": proxies[0].url, "private KV": proxies[1].url}
     try:

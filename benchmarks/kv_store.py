@@ -78,7 +78,7 @@ def tier_table(model: str | None, prefix_tokens: int, trials: int, tmp: str, red
         bandwidth = None
         if tier is not None:
             # Load bandwidth of the tier alone: chunk bytes over the time its get()s took.
-            stats = llm.engine.runner.connector.store_stats()[tier]
+            stats = llm.engine.kv_connector_stats.stores[tier]
             bandwidth = stats["bytes_loaded"] / sum(stats["load_seconds"]) / 1e9
         rows.append((name, statistics.median(times), min(cached), bandwidth))
         llm.shutdown()

@@ -79,14 +79,14 @@ class EngineCore:
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         kv = self.engine.kv_cache_manager
-        (moved, failures, seconds), auth_failures, store_stats = self.engine.runner.kv_connector_stats()
+        connector = self.engine.drain_kv_connector_stats()
         return EngineStats(
             kv_blocks_held=sum(len(kv.get_block_ids(r)) for r in scheduler.held),
             num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv, num_held=len(scheduler.held),
             num_tracked_requests=self.engine.num_tracked_requests(),
-            kv_transfer_bytes=moved, kv_transfer_failures=failures, kv_transfer_seconds=seconds,
-            kv_auth_failures=auth_failures,
-            kv_store={tier: TierStats(**t) for tier, t in store_stats.items()},
+            kv_transfer_bytes=connector.transfer_bytes, kv_transfer_failures=connector.transfer_failures,
+            kv_transfer_seconds=connector.transfer_seconds, kv_auth_failures=connector.auth_failures,
+            kv_store={tier: TierStats(**t) for tier, t in connector.stores.items()},
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks, kv_cache_usage=kv.usage,
@@ -160,7 +160,10 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
             logger.warning("API server process is gone; engine core exiting")
             return
         deltas = []
-        if core.engine.has_unfinished_requests():
+        # Idle, a step still runs once per stats interval: the connector's counters (a KV
+        # server's refusals, bytes a peer pulled) come back only with a step's output.
+        stats_due = time.monotonic() - last_stats > STATS_INTERVAL_S
+        if core.engine.has_unfinished_requests() or stats_due:
             try:
                 deltas = core.step()
             except Exception as exc:

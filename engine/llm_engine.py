@@ -27,7 +27,7 @@ from engine.kv_transfer.p2p_worker import STAGING_BYTES, P2PConnectorWorker
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
 from engine.kv_transfer.tiered import TieredConnectorScheduler
 from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
-from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from engine.outputs import CompletionOutput, EngineCoreOutput, KVConnectorStats, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -39,6 +39,7 @@ from engine.worker.models.llama import ModelConfig
 logger = logging.getLogger("engine")
 
 MAX_REQUEST_ID_LEN = 256
+MAX_KEPT_DURATIONS = 4096  # transfer and load durations kept for a reader that never drains (offline use)
 
 
 class OutputKind(enum.Enum):
@@ -135,6 +136,8 @@ class LLMEngine:
                 connector_worker = MultiConnectorWorker([connector_worker, tiered_worker])
         self.runner = ModelRunner(config, model_dir, self.eos_token_ids, connector_worker,
                                   reserved_bytes=STAGING_BYTES if uses_p2p else 0)
+        # The connector's latest counters, as the runner reported them with the last step.
+        self.kv_connector_stats = KVConnectorStats()
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
@@ -348,8 +351,27 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         runner_output = self.runner.execute_model(scheduler_output)
+        self._keep_connector_stats(runner_output.kv_connector_output.stats)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return self._process_outputs(core_outputs)
+
+    def _keep_connector_stats(self, new: KVConnectorStats | None) -> None:
+        """The latest totals; durations pile up (the newest MAX_KEPT_DURATIONS) until drained."""
+        if new is None:
+            return
+        old = self.kv_connector_stats
+        new.transfer_seconds = (old.transfer_seconds + new.transfer_seconds)[-MAX_KEPT_DURATIONS:]
+        for tier, s in new.stores.items():
+            s["load_seconds"] = (old.stores.get(tier, {}).get("load_seconds", []) + s["load_seconds"])[-MAX_KEPT_DURATIONS:]
+        self.kv_connector_stats = new
+
+    def drain_kv_connector_stats(self) -> KVConnectorStats:
+        """The latest counters with the durations since the previous drain (the core's stats messages)."""
+        stats = self.kv_connector_stats
+        self.kv_connector_stats = KVConnectorStats(
+            stats.transfer_bytes, stats.transfer_failures, [], stats.auth_failures,
+            {tier: {**s, "load_seconds": []} for tier, s in stats.stores.items()})
+        return stats
 
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {s.request_id: s for s in self._finished_on_arrival}

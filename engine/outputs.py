@@ -44,6 +44,19 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class KVConnectorStats:
+    """A connector worker's counters, read after every step's transfers: totals since start,
+    except the durations (transfer_seconds, each store's load_seconds), which are since the
+    previous reading."""
+    transfer_bytes: int = 0
+    transfer_failures: dict[str, int] = field(default_factory=dict)  # load failures by reason
+    transfer_seconds: list[float] = field(default_factory=list)
+    auth_failures: dict[str, int] = field(default_factory=dict)  # messages the KV server refused, by reason
+    # Per KV store tier: hits, misses, bytes_stored, bytes_loaded, used_bytes, load_seconds, rejected.
+    stores: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
@@ -53,6 +66,7 @@ class KVConnectorOutput:
     # from the first one asked, some tier holds; blocks of the longest trailing chunk found
     # after them, 0 if none). The worker pinned them for the request.
     lookups: dict[str, tuple[int, int]] = field(default_factory=dict)
+    stats: KVConnectorStats | None = None  # filled by the model runner, after the above
 
 
 @dataclass(slots=True)

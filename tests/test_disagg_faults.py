@@ -220,11 +220,12 @@ def test_decode_killed_after_prefill(tiny_llama):
 
 
 def test_same_host_shared_memory(tiny_llama, expected):
-    """By default the producer's KV lives in /dev/shm (mode 0600) and a same-host decode copies
-    the lent blocks straight out of it; the file is removed when the producer stops."""
+    """With ENGINE_KV_SHM=1 the producer's KV lives in /dev/shm (mode 0600) and a same-host decode
+    copies the lent blocks straight out of it; the file is removed when the producer stops."""
     import glob
     import os
-    prefill = ServerProcess(str(tiny_llama), *ARGS, "--role", "prefill", "--kv-port", str(free_port()))
+    prefill = ServerProcess(str(tiny_llama), *ARGS, "--role", "prefill", "--kv-port", str(free_port()),
+                            env={"ENGINE_KV_SHM": "1"})
     decode = ServerProcess(str(tiny_llama), *ARGS, "--role", "decode")
     try:
         files = glob.glob(f"/dev/shm/engine-kv-{prefill.engine_pid}-*")

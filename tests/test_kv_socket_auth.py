@@ -28,6 +28,12 @@ ENGINE_ID, FINGERPRINT = "engine-id-7c41d0", "fingerprint-2b9e55"  # distinctive
 MiB = 2**20
 
 
+@pytest.fixture(autouse=True)
+def shared_memory_kv(monkeypatch):
+    """These tests drive the same-host shared-memory loan (opt-in, ENGINE_KV_SHM=1) unless they turn it off."""
+    monkeypatch.setenv("ENGINE_KV_SHM", "1")
+
+
 def _producer(secret=SECRET, encrypt: bool = False) -> P2PConnectorWorker:
     worker = P2PConnectorWorker(ENGINE_ID, FINGERPRINT, "127.0.0.1", free_port(), chunk_bytes=3 * BLOCK_BYTES,
                                 secret=secret, encrypt=encrypt)
@@ -248,7 +254,7 @@ def test_a_secret_mismatch_fails_the_load_as_auth(producer_secret, consumer_secr
         assert out.failed_recving == {"r"}, out
         assert out.failure_reasons["r"].startswith("auth: the KV peer at tcp://"), out.failure_reasons
         assert time.monotonic() - start < 5, "the load waited for its deadline"
-        assert consumer.stats["failures"] == {"auth": 1} and not consumer.kv.any()
+        assert consumer.counters["failures"] == {"auth": 1} and not consumer.kv.any()
         assert producer.auth_failures() == {}
         _pulled(producer, "r", list(range(7)), list(range(7)), secret=producer_secret)  # still on offer
     finally:
@@ -330,13 +336,13 @@ def test_an_encryption_mismatch_fails_cleanly(producer_side, consumer_side, ipc)
         assert out.failed_recving == {"r"}, out
         assert out.failure_reasons["r"].startswith("auth: the transport handshake failed"), out.failure_reasons
         assert time.monotonic() - start < 5, "the load waited for its deadline"
-        assert consumer.stats["failures"] == {"auth": 1}
+        assert consumer.counters["failures"] == {"auth": 1}
         matching = _consumer(*producer_side)
         try:
             out = _load(matching, "r", addr, list(range(7)))
             assert out.finished_recving == {"r"}, out.failure_reasons
             assert torch.equal(matching.kv[:, :, :7], producer.kv[:, :, :7])
-            assert matching.stats["shm_loads"] == ipc
+            assert matching.counters["shm_loads"] == ipc
         finally:
             matching.shutdown()
     finally:
@@ -418,7 +424,7 @@ def test_a_consumer_whose_session_was_dropped_reconnects(producer, ctx, monkeypa
         out = _load(consumer, "b", _tcp(producer), list(range(3)))
         assert out.finished_recving == {"b"}, out.failure_reasons
         assert time.monotonic() - start < 5, "the load waited for its deadline"
-        assert consumer.stats["failures"] == {}
+        assert consumer.counters["failures"] == {}
         assert producer.auth_failures() == {"unauthenticated": 1}  # the stale session's pull
     finally:
         newer.close()

@@ -184,7 +184,7 @@ def test_cpu_tier_serves_prefixes_the_device_cache_evicted(tiny_llama, reference
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference(prompt)
     assert out.num_cached_tokens == 192  # 6 full chunks; the 7th would include the last prompt token
-    stats = llm.engine.runner.connector.store_stats()["cpu"]
+    stats = llm.engine.kv_connector_stats.stores["cpu"]
     chunk_bytes = 2 * 2 * 2 * 16 * 2 * 16 * 4  # [layers, k/v, 2 blocks, 16 tokens, 2 kv heads, 16 dims] fp32
     assert stats["hits"] == 6 and stats["bytes_loaded"] == 6 * chunk_bytes
     # A prompt that shares only part of the prefix loads just the shared chunks.
@@ -218,7 +218,7 @@ llm = LLM(model, num_blocks=64, kv_store=spec, kv_chunk_tokens=32)
 if isinstance(prompt, str):
     prompt = llm.get_tokenizer()(prompt)["input_ids"]
 out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
-stats = llm.engine.runner.connector.store_stats()
+stats = llm.engine.kv_connector_stats.stores
 llm.shutdown()  # flushes the writes to disk and Redis
 print(json.dumps({"tokens": out.outputs[0].token_ids, "cached": out.num_cached_tokens,
                   "hits": {t: s["hits"] for t, s in stats.items()}}))
@@ -265,7 +265,7 @@ def test_redis_killed_mid_run_and_back(tiny_llama, reference, redis_server):
     other = LLM(str(tiny_llama), num_blocks=64, kv_store=redis_server.url, kv_chunk_tokens=32)
     out = other.generate([c], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference(c) and out.num_cached_tokens == 96
-    assert other.engine.runner.connector.store_stats()["redis"]["hits"] == 3
+    assert other.engine.kv_connector_stats.stores["redis"]["hits"] == 3
     for engine in (llm, other):
         assert_engine_idle(engine)
         engine.shutdown()
@@ -356,7 +356,7 @@ def test_tiny_cpu_tier_evicting_under_concurrent_lookups(tiny_llama, reference):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == reference(prompt)
-    stats = llm.engine.runner.connector.store_stats()["cpu"]
+    stats = llm.engine.kv_connector_stats.stores["cpu"]
     assert stats["hits"] > 0 and stats["bytes_stored"] > 3 * chunk_bytes >= stats["used_bytes"]  # it evicted
     assert_engine_idle(llm)
     llm.shutdown()
@@ -682,7 +682,7 @@ def test_a_hanging_redis_never_stalls_a_step(tiny_llama, reference, redis_server
         assert outputs[req_id].num_cached_tokens == 0
     # Each request's one lookup timed out to a miss; nothing was loaded.
     assert engine.scheduler.connector.lookup_timeouts == len(prompts)
-    assert all(s["hits"] == 0 for s in engine.runner.connector.store_stats().values())
+    assert all(s["hits"] == 0 for s in engine.kv_connector_stats.stores.values())
     assert_engine_idle(llm)
     assert engine.num_tracked_requests() == 0
     llm.shutdown()

@@ -32,6 +32,12 @@ def kv_tensor_for(worker: P2PConnectorWorker, shape) -> torch.Tensor:
     return allocate_kv_tensor(shape, torch.float32, cpu, worker.kv_cache_file(shape, torch.float32, cpu))
 
 
+@pytest.fixture(autouse=True)
+def shared_memory_kv(monkeypatch):
+    """These tests drive the same-host shared-memory loan (opt-in, ENGINE_KV_SHM=1) unless they turn it off."""
+    monkeypatch.setenv("ENGINE_KV_SHM", "1")
+
+
 def _producer() -> P2PConnectorWorker:
     worker = P2PConnectorWorker("p", "fp", "127.0.0.1", free_port(), chunk_bytes=3 * BLOCK_BYTES)  # 3-block chunks
     kv = kv_tensor_for(worker, SHAPE)
@@ -172,7 +178,7 @@ def test_a_producer_restarted_on_the_same_address_is_pulled_from_afresh(monkeypa
             out = _transfer(second, consumer, "r2", [5, 6, 7], [8, 9, 10], addr)
             assert out.finished_recving == {"r2"}, out.failure_reasons
             assert torch.equal(consumer.kv[:, :, [8, 9, 10]], second.kv[:, :, [5, 6, 7]])
-            assert consumer.stats["failures"] == {}
+            assert consumer.counters["failures"] == {}
         finally:
             second.shutdown()
     finally:
@@ -189,7 +195,7 @@ def test_scattered_transfer(producer, tcp):
         out = _transfer(producer, consumer, "r1", src, dst, addr)
         assert out.finished_recving == {"r1"}, out.failure_reasons
         assert torch.equal(consumer.kv[:, :, dst], producer.kv[:, :, src])
-        assert consumer.stats["shm_loads"] == (0 if tcp else 1)
+        assert consumer.counters["shm_loads"] == (0 if tcp else 1)
         _sent(producer, "r1")
     finally:
         consumer.shutdown()
@@ -203,7 +209,7 @@ def test_shared_memory_off_uses_the_socket(monkeypatch):
         out = _transfer(producer, consumer, "r", list(range(7)), list(range(7, 14)), ipc_path(producer.port))
         assert out.finished_recving == {"r"}, out.failure_reasons
         assert torch.equal(consumer.kv[:, :, 7:14], producer.kv[:, :, :7])
-        assert consumer.stats["shm_loads"] == 0
+        assert consumer.counters["shm_loads"] == 0
     finally:
         producer.shutdown()
         consumer.shutdown()
@@ -256,7 +262,7 @@ def test_a_damaged_frame_is_rejected_before_a_byte_is_written(producer, fault, p
         assert out.failed_recving == {"r"} and not out.finished_recving, out
         assert out.failure_reasons["r"] == f"frame rejected: {problem}"
         assert not consumer.kv.any(), "bytes of a rejected transfer were written"
-        assert consumer.stats["failures"] == {"frame rejected": 1} and consumer.stats["bytes_received"] == 0
+        assert consumer.counters["failures"] == {"frame rejected": 1} and consumer.counters["bytes_received"] == 0
         _sent(producer, "r")
     finally:
         consumer.shutdown()
@@ -349,12 +355,12 @@ def _wait_until_stalled(producer: P2PConnectorWorker, quiet_s: float = 0.5, time
     (it gathers a chunk only once zmq has taken the one before: a consumer that does not read
     stops it). Polled, so a slow machine only waits longer."""
     deadline = time.monotonic() + timeout
-    last, since = producer.stats["bytes_sent"], time.monotonic()
+    last, since = producer.counters["bytes_sent"], time.monotonic()
     while last == 0 or time.monotonic() - since < quiet_s:
         assert time.monotonic() < deadline, "the producer never started, or never stopped, sending"
         time.sleep(0.02)
-        if producer.stats["bytes_sent"] != last:
-            last, since = producer.stats["bytes_sent"], time.monotonic()
+        if producer.counters["bytes_sent"] != last:
+            last, since = producer.counters["bytes_sent"], time.monotonic()
 
 
 def test_stalled_consumer_blocks_nobody(monkeypatch):
@@ -368,7 +374,7 @@ def test_stalled_consumer_blocks_nobody(monkeypatch):
                                                            time.monotonic() + 60, "tokens")]))
         stalled.send(Pull("t-stuck", "stuck", 0, 256, "tokens"))
         _wait_until_stalled(producer)  # every buffer between the producer and the stalled peer is full
-        assert producer.stats["bytes_sent"] < 32 * MiB, "the peer did not stall: make BIG_SHAPE bigger"
+        assert producer.counters["bytes_sent"] < 32 * MiB, "the peer did not stall: make BIG_SHAPE bigger"
         assert "stuck" not in producer.get_finished().finished_sending
 
         # While it stays stalled: another consumer's transfer, a release and a lease expiry
@@ -418,7 +424,7 @@ def test_stall_limit_abandons_a_consumer_that_stays_connected(monkeypatch):
             peer.send(Pull(f"t{i}", f"stuck{i}", 0, 256, "tokens"))
         for i in range(4):
             finished.wait(f"stuck{i}", start + 1.0 + 5)
-        assert producer.stats["abandoned_sends"] == 4
+        assert producer.counters["abandoned_sends"] == 4
         out = _transfer(producer, consumer, "next", list(range(64)), list(range(64)), addr)
         assert out.finished_recving == {"next"}, out.failure_reasons
         assert torch.equal(consumer.kv[:, :, :64], producer.kv[:, :, :64])
@@ -436,7 +442,7 @@ def test_an_undecodable_message_from_an_authenticated_peer_is_dropped(producer):
         assert peer.handshake().ok
         peer.send_raw(b"\xc1 not msgpack", peer.session.next(b"\xc1 not msgpack"))
         deadline = time.monotonic() + 5
-        while producer.stats["dropped_messages"] == 0:
+        while producer.counters["dropped_messages"] == 0:
             assert time.monotonic() < deadline, "the undecodable message was not counted"
             time.sleep(0.01)
         producer.save_kv(P2PMetadata(sends=[SendSpec("r", [0, 1, 2], 12, time.monotonic() + 30, "tokens")]))

@@ -251,7 +251,7 @@ def test_the_engine_recomputes_past_forged_entries(tiny_llama, reference, tmp_pa
         assert store.stats.rejected == expected
         assert entries.read(first) == genuine_first  # the forgery is gone; the recompute rewrote it
     assert run() == (3, 0, 96)  # and the tier serves again
-    assert connector.store_stats()[tier]["rejected"] == expected  # what /metrics and /status export
+    assert llm.engine.kv_connector_stats.stores[tier]["rejected"] == expected  # what /metrics and /status export
     llm.shutdown()
 
 
@@ -314,7 +314,7 @@ def test_redis_password_and_acl_user_end_to_end(tiny_llama, reference, redis_wit
             out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
             assert out.outputs[0].token_ids == reference(prompt) and out.num_cached_tokens == expected_cached
             assert llm.engine.runner.connector.wait_for_saves()
-        assert llm.engine.runner.connector.store_stats()["redis"]["hits"] == 3
+        assert llm.engine.kv_connector_stats.stores["redis"]["hits"] == 3
         with redis.Redis.from_url(redis_with_auth.url) as admin:  # the query argument reached the connection
             assert "engine-kv-test" in [c["name"] for c in admin.client_list()]
         llm.shutdown()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.kv_transfer.params import KVTransferParams
-from engine.outputs import KVConnectorOutput, SchedulerOutput
+from engine.outputs import KVConnectorOutput, KVConnectorStats, SchedulerOutput
 from engine.request import Request
 
 
@@ -183,19 +183,10 @@ class KVConnectorWorker(ABC):
     def shutdown(self) -> None:
         pass
 
-    def transfer_stats(self) -> tuple[int, dict[str, int], list[float]]:
-        """(bytes moved so far, failures by reason so far, durations since the last call)."""
-        return 0, {}, []
-
-    def auth_failures(self) -> dict[str, int]:
-        """Messages a KV server refused from peers that did not prove the deployment secret,
-        by reason, since start."""
-        return {}
-
-    def store_stats(self) -> dict[str, dict]:
-        """Per KV store tier: hits, misses, bytes_stored, bytes_loaded, used_bytes (totals so
-        far) and load_seconds (since the last call)."""
-        return {}
+    def stats(self) -> KVConnectorStats:
+        """The counters, read by the model runner after every get_finished (see KVConnectorStats).
+        Never waits on a peer or a store."""
+        return KVConnectorStats()
 
 
 class NoOpConnectorScheduler(KVConnectorScheduler):

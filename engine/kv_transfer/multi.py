@@ -16,7 +16,7 @@ import torch
 
 from engine.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from engine.kv_transfer.params import KVTransferParams
-from engine.outputs import KVConnectorOutput, SchedulerOutput
+from engine.outputs import KVConnectorOutput, KVConnectorStats, SchedulerOutput
 from engine.request import Request
 
 
@@ -139,11 +139,8 @@ class MultiConnectorWorker(KVConnectorWorker):
         for worker in self.workers:
             worker.shutdown()
 
-    def transfer_stats(self) -> tuple[int, dict[str, int], list[float]]:
-        return self.workers[0].transfer_stats()
-
-    def auth_failures(self) -> dict[str, int]:
-        return self.workers[0].auth_failures()
-
-    def store_stats(self) -> dict[str, dict]:
-        return {name: s for w in self.workers for name, s in w.store_stats().items()}
+    def stats(self) -> KVConnectorStats:
+        merged = self.workers[0].stats()
+        for worker in self.workers[1:]:
+            merged.stores.update(worker.stats().stores)
+        return merged

@@ -3,8 +3,8 @@
 It composes the two jobs, each in its own file: ``P2PProducer`` serves ``drop_select`` pulls of
 the lookup buffer (only on an instance with a KV port), ``P2PConsumer`` pulls into the blocks
 the scheduler allocated. The wire format is in ``p2p_wire``. Here: where the KV tensor lives.
-A producer on CPU keeps it in a /dev/shm file, so consumers on the same host are lent blocks
-and copy them with one memcpy instead of receiving them over a socket.
+With ENGINE_KV_SHM=1 a producer on CPU keeps it in a /dev/shm file, so consumers on the same
+host are lent blocks and copy them with one memcpy instead of receiving them over a socket.
 
 Both halves open every socket with a challenge-response keyed by the deployment ``secret``
 (with none, by a published key: no authentication, for loopback only); ``encrypt`` adds CURVE
@@ -26,7 +26,7 @@ from engine.kv_transfer.p2p_consumer import P2PConsumer
 from engine.kv_transfer.p2p_producer import STAGING_BYTES, P2PProducer
 from engine.kv_transfer.p2p_wire import DEFAULT_CHUNK_BYTES
 from engine.kv_transfer.secret import KVSecret
-from engine.outputs import KVConnectorOutput
+from engine.outputs import KVConnectorOutput, KVConnectorStats
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "STAGING_BYTES", "P2PConnectorWorker"]
 
@@ -66,22 +66,24 @@ class P2PConnectorWorker(KVConnectorWorker):
         self.shm_path = ""  # the shared-memory file holding our KV tensor, if any
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # guards stats and each side's hand-over state
-        self.stats = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}, "shm_loads": 0,
+        self.counters = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}, "shm_loads": 0,
                       "dropped_messages": 0, "dropped_replies": 0, "abandoned_sends": 0,
                       "auth_failures": {}}  # the producer's refusals by reason: see auth_failures()
         self.producer = None if port is None else P2PProducer(
-            self._ctx, self._lock, self.stats, engine_id, fingerprint, bind_ip, port, chunk_bytes, secret, encrypt)
-        self.consumer = P2PConsumer(self._ctx, self._lock, self.stats, fingerprint, chunk_bytes, secret, encrypt)
+            self._ctx, self._lock, self.counters, engine_id, fingerprint, bind_ip, port, chunk_bytes, secret, encrypt)
+        self.consumer = P2PConsumer(self._ctx, self._lock, self.counters, fingerprint, chunk_bytes, secret, encrypt)
 
     def kv_cache_file(self, shape, dtype, device) -> str | None:
-        """A producer on CPU keeps its KV in a shared-memory file that same-host consumers map
-        (measured: no slower for a 2048-token forward pass, 3-5% slower at 512 tokens; see the README). ENGINE_KV_SHM=0, a
-        non-CPU device or too little room in /dev/shm keep it private (peers use the socket)."""
+        """Private memory unless ENGINE_KV_SHM=1: then a producer on CPU keeps its KV in a shared-memory
+        file that same-host consumers map. Opt-in because it costs the prefill's TTFT: measured by
+        benchmarks/disagg_shm_ab.py, +4-7% P->D TTFT at 512 tokens against +1-2% with private KV, for a
+        faster same-host pull (8.0 vs 2.2 GB/s, ~8 ms less to the second token at 512). A non-CPU device
+        or too little room in /dev/shm keep it private (peers use the socket)."""
         nbytes = dtype.itemsize
         for dim in shape:
             nbytes *= dim
         if (self.producer is None or torch.device(device).type != "cpu" or not os.path.isdir("/dev/shm")
-                or os.environ.get("ENGINE_KV_SHM", "1") == "0"):
+                or os.environ.get("ENGINE_KV_SHM", "0") != "1"):
             return None
         _remove_stale_shm_files()
         stat = os.statvfs("/dev/shm")
@@ -122,17 +124,18 @@ class P2PConnectorWorker(KVConnectorWorker):
         recving, failed = self.consumer.take_finished()
         return KVConnectorOutput(sending, recving, set(failed), failed)
 
-    def transfer_stats(self) -> tuple[int, dict[str, int], list[float]]:
+    def stats(self) -> KVConnectorStats:
         with self._lock:
-            seconds, self.stats["seconds"] = self.stats["seconds"], []
-            return (self.stats["bytes_sent"] + self.stats["bytes_received"], dict(self.stats["failures"]), seconds)
+            seconds, self.counters["seconds"] = self.counters["seconds"], []
+            return KVConnectorStats(self.counters["bytes_sent"] + self.counters["bytes_received"],
+                                    dict(self.counters["failures"]), seconds, dict(self.counters["auth_failures"]))
 
     def auth_failures(self) -> dict[str, int]:
         """Messages the producer refused, by reason, since start: ``proof`` (a handshake whose
         proof did not verify) and ``unauthenticated`` (anything else from a peer without a
         session). The consumer's own failed handshakes are load failures, reason ``auth``."""
         with self._lock:
-            return dict(self.stats["auth_failures"])
+            return dict(self.counters["auth_failures"])
 
     def shutdown(self) -> None:
         self.consumer.shutdown()

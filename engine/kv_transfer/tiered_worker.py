@@ -31,7 +31,7 @@ import torch
 from engine.kv_transfer.base import KVConnectorWorker, LoadBook, contiguous_runs, queued
 from engine.kv_transfer.stores.base import KVStore
 from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
-from engine.outputs import KVConnectorOutput
+from engine.outputs import KVConnectorOutput, KVConnectorStats
 
 logger = logging.getLogger("engine.kv_store")
 
@@ -204,7 +204,7 @@ class TieredConnectorWorker(KVConnectorWorker):
         return KVConnectorOutput(finished_recving=done, failed_recving=set(failed), failure_reasons=failed,
                                  lookups=answers)
 
-    def store_stats(self) -> dict[str, dict]:
+    def stats(self) -> KVConnectorStats:
         """Never waits on a store: a slow tier's used_bytes is the saver's last reading."""
         stats = {}
         for store in self.tiers.stores:
@@ -213,7 +213,7 @@ class TieredConnectorWorker(KVConnectorWorker):
             stats[store.name] = {"hits": s.hits, "misses": s.misses, "bytes_stored": s.bytes_stored,
                                  "bytes_loaded": s.bytes_loaded, "used_bytes": used,
                                  "load_seconds": store.drain_load_seconds(), "rejected": dict(s.rejected)}
-        return stats
+        return KVConnectorStats(stores=stats)
 
     def wait_for_saves(self, timeout: float = 30.0) -> bool:
         """Block until queued writes to the slow tiers are done (tests, shutdown, benchmarks)."""

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allocate_kv_tensor
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker import loader
 from engine.worker.attention import build_attention_metadata
@@ -122,10 +122,6 @@ class ModelRunner:
         self.connector.register_kv_caches(kv)
         return kv
 
-    def kv_connector_stats(self) -> tuple[tuple[int, dict[str, int], list[float]], dict[str, int], dict[str, dict]]:
-        """(transfer stats, refused KV peers by reason, KV store stats): see KVConnectorWorker."""
-        return self.connector.transfer_stats(), self.connector.auth_failures(), self.connector.store_stats()
-
     def shutdown(self) -> None:
         self.connector.shutdown()
 
@@ -178,7 +174,7 @@ class ModelRunner:
         self.connector.start_load_kv(so.kv_connector_metadata)
         output = ModelRunnerOutput()
         if so.total_num_scheduled_tokens == 0:
-            output.kv_connector_output = self.connector.get_finished()
+            output.kv_connector_output = self._connector_output()
             return output
 
         # Single-token queries first, longest context first (they attend in length groups),
@@ -226,8 +222,15 @@ class ModelRunner:
                 output.sampled_token_ids[req_id] = token
                 if sampled.logprobs is not None and state.sampling_params.logprobs is not None:
                     output.logprobs[req_id] = sampled.logprobs[i]
-        output.kv_connector_output = self.connector.get_finished()
+        output.kv_connector_output = self._connector_output()
         return output
+
+    def _connector_output(self) -> KVConnectorOutput:
+        """What the connector learned since the last step, with its counters read after it (so
+        a transfer reported done is already counted)."""
+        out = self.connector.get_finished()
+        out.stats = self.connector.stats()
+        return out
 
     def _banned_ids(self, state: RunnerRequest) -> list[int]:
         """EOS and stop tokens may not end a request before it has min_tokens tokens."""
