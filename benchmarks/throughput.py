@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -18,24 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.workloads import make_workload  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.worker.loader import resolve_model  # noqa: E402
-
-
-def make_workload(name: str, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt token ids, max_tokens) pairs."""
-    rng = random.Random(seed)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(n)]
-
-    if name == "uniform":
-        return [(prompt(128), 64) for _ in range(32)]
-    if name == "varied":
-        return [(prompt(rng.randint(10, 400)), rng.randint(8, 256)) for _ in range(64)]
-    if name == "single":
-        return [(prompt(128), 256)]
-    raise ValueError(name)
 
 
 def run_engine(llm: LLM, work) -> float:

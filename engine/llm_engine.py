@@ -136,7 +136,8 @@ class LLMEngine:
                 connector_worker = MultiConnectorWorker([connector_worker, tiered_worker])
         self.runner = ModelRunner(config, model_dir, self.eos_token_ids, connector_worker,
                                   reserved_bytes=STAGING_BYTES if uses_p2p else 0)
-        # The connector's latest counters, as the runner reported them with the last step.
+        # The connector's latest counters, as the runner reported them with the last step (an
+        # offline reader sees them as of its last generate; a server's idle core steps each second).
         self.kv_connector_stats = KVConnectorStats()
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,

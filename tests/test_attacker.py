@@ -54,7 +54,8 @@ def _complete(url: str, prompt: list[int], **extra) -> httpx.Response:
         "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra})
 
 
-def test_a_stranger_on_the_kv_port_and_the_decode_api(tiny_llama, colocated):
+def test_a_stranger_on_the_kv_port_and_the_decode_api(tiny_llama, colocated, monkeypatch):
+    monkeypatch.setenv("ENGINE_KV_SHM", "1")  # the prefill has a /dev/shm path that must not leak
     cluster = Disagg(str(tiny_llama), *ENGINE_ARGS, prefill_args=("--kv-lease-s", "120"))
     ctx = zmq.Context()
     try:

@@ -75,17 +75,19 @@ class P2PConnectorWorker(KVConnectorWorker):
 
     def kv_cache_file(self, shape, dtype, device) -> str | None:
         """Private memory unless ENGINE_KV_SHM=1: then a producer on CPU keeps its KV in a shared-memory
-        file that same-host consumers map. Opt-in because it costs the prefill's TTFT: measured by
-        benchmarks/disagg_shm_ab.py, +4-7% P->D TTFT at 512 tokens against +1-2% with private KV, for a
-        faster same-host pull (8.0 vs 2.2 GB/s, ~8 ms less to the second token at 512). A non-CPU device
-        or too little room in /dev/shm keep it private (peers use the socket)."""
+        file that same-host consumers map. Opt-in because, in benchmarks/disagg_shm_ab.py at 512 tokens,
+        it measured +4.2/+6.6% P->D TTFT against +1.7/+1.1% with private KV (later runs on a noisier VM
+        scatter both ways; see the README), for a faster same-host pull (5.9 vs 2.0 GB/s in
+        benchmarks/disagg.py: less time to the second token, not the first). A non-CPU device or too
+        little room in /dev/shm keep it private (peers use the socket)."""
         nbytes = dtype.itemsize
         for dim in shape:
             nbytes *= dim
-        if (self.producer is None or torch.device(device).type != "cpu" or not os.path.isdir("/dev/shm")
-                or os.environ.get("ENGINE_KV_SHM", "0") != "1"):
+        if self.producer is None or torch.device(device).type != "cpu" or not os.path.isdir("/dev/shm"):
             return None
-        _remove_stale_shm_files()
+        _remove_stale_shm_files()  # also when off: files of crashed producers from before
+        if os.environ.get("ENGINE_KV_SHM", "0") != "1":
+            return None
         stat = os.statvfs("/dev/shm")
         if nbytes > 0.9 * stat.f_bavail * stat.f_frsize:  # a full tmpfs would SIGBUS on first touch
             logger.warning("/dev/shm has %.1f GiB free, too little for the %.1f GiB KV cache: same-host "

@@ -229,7 +229,10 @@ class ModelRunner:
         """What the connector learned since the last step, with its counters read after it (so
         a transfer reported done is already counted)."""
         out = self.connector.get_finished()
-        out.stats = self.connector.stats()
+        try:
+            out.stats = self.connector.stats()
+        except Exception:  # counters are never worth a step: keep the previous ones
+            logger.exception("reading the KV connector's counters failed")
         return out
 
     def _banned_ids(self, state: RunnerRequest) -> list[int]:

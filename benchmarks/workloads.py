@@ -1,0 +1,22 @@
+"""The offline workloads of benchmarks/throughput.py and benchmarks/peers.py: (prompt token
+ids, max_tokens) pairs. Standard library only, so the peer's own venv can import it."""
+from __future__ import annotations
+
+import random
+
+WORKLOADS = ("uniform", "varied", "single")
+
+
+def make_workload(name: str, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    if name == "uniform":
+        return [(prompt(128), 64) for _ in range(32)]
+    if name == "varied":
+        return [(prompt(rng.randint(10, 400)), rng.randint(8, 256)) for _ in range(64)]
+    if name == "single":
+        return [(prompt(128), 256)]
+    raise ValueError(name)
