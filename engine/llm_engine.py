@@ -13,21 +13,32 @@ from transformers import AutoTokenizer
 
 from engine.block_pool import BlockHasher, root_block_hash
 from engine.config import EngineConfig
+from engine.cpu_placement import apply_placement
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.multi import MultiConnectorScheduler, MultiConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
-from engine.kv_transfer.params import (
-    KVTransferParams, KVTransferParamsError, check_kv_transfer_params_signature, parse_kv_transfer_params,
-    sign_kv_transfer_params, token_digest,
-)
 from engine.kv_transfer.p2p_worker import STAGING_BYTES, P2PConnectorWorker
+from engine.kv_transfer.params import (
+    KVTransferParams,
+    KVTransferParamsError,
+    check_kv_transfer_params_signature,
+    parse_kv_transfer_params,
+    sign_kv_transfer_params,
+    token_digest,
+)
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
 from engine.kv_transfer.tiered import TieredConnectorScheduler
 from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
-from engine.outputs import CompletionOutput, EngineCoreOutput, KVConnectorStats, Logprob, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    KVConnectorStats,
+    Logprob,
+    RequestOutput,
+)
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -94,6 +105,7 @@ HANDED_OFF = RequestStatus.FINISHED_HANDED_OFF.finish_reason
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        apply_placement(config.cpu_cores, config.num_threads)
         model_dir = loader.resolve_model(config.model)
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))

@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="the deployment secret shared by its prefill, decode and store users (a file of "
                              "mode 0600; create one with `engine secret PATH`; or set ENGINE_KV_SECRET): "
                              "signs kv_transfer_params, authenticates KV sockets, authenticates store entries")
+    parser.add_argument("--cpu-cores", default=None, metavar="LIST",
+                        help="pin the engine's compute to these cores, e.g. 0-3,6 (default: all it may use)")
+    parser.add_argument("--num-threads", type=int, default=None, metavar="N",
+                        help="torch threads for the model (default: one per core it may use)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -53,7 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 dtype=args.dtype, device=args.device, seed=args.seed, kv_store=args.kv_store,
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s,
-                kv_secret_file=args.kv_secret_file)
+                kv_secret_file=args.kv_secret_file, cpu_cores=args.cpu_cores, num_threads=args.num_threads)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -260,11 +264,13 @@ def cmd_disagg(args: argparse.Namespace) -> int:
     engine_args = []
     for key, value in engine_kwargs(args).items():
         flag = "--" + key.replace("_", "-")
+        if key in ("cpu_cores", "num_threads"):
+            continue  # placed per instance: --prefill-cores / --decode-cores
         if key == "enable_prefix_caching":
             engine_args += [] if value else ["--no-enable-prefix-caching"]
         elif value is not None:
             engine_args += [flag, str(value)]
-    return run_disagg(args.model_path, args.host, args.port, engine_args)
+    return run_disagg(args.model_path, args.host, args.port, engine_args, args.prefill_cores, args.decode_cores)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     dg.add_argument("model_path", nargs="?", default=None, metavar="MODEL")
     dg.add_argument("--host", default="127.0.0.1")
     dg.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
+    dg.add_argument("--prefill-cores", default=None, metavar="LIST",
+                    help="cores of the prefill instance (default: the first half of this host's cores)")
+    dg.add_argument("--decode-cores", default=None, metavar="LIST",
+                    help="cores of the decode instance (default: the other half)")
     add_engine_args(dg)
     dg.set_defaults(func=cmd_disagg)
 

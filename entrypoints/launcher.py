@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from engine.cpu_placement import available_cores, parse_cores, split_cores
 from engine.kv_transfer.secret import ENV_VAR, new_secret
 
 
@@ -34,8 +35,21 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> Non
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
 
 
-def run_disagg(model: str | None, host: str, port: int, engine_args: list[str]) -> int:
+def core_split(prefill_cores: str | None, decode_cores: str | None) -> tuple[str, str]:
+    """Each instance's cores: as given, else the host's cores split in two halves (on one core
+    both share it). Every instance runs one torch thread per core it has."""
+    prefill_half, decode_half = split_cores(available_cores(), 2)
+    prefill = parse_cores(prefill_cores) if prefill_cores else prefill_half
+    decode = parse_cores(decode_cores) if decode_cores else decode_half
+    return ",".join(map(str, prefill)), ",".join(map(str, decode))
+
+
+def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], prefill_cores: str | None = None,
+               decode_cores: str | None = None) -> int:
     engine = [sys.executable, "-m", "entrypoints.cli"]
+    p_cores, d_cores = core_split(prefill_cores, decode_cores)
+    print(f"cores: prefill {p_cores}, decode {d_cores} (one torch thread per core; the proxy is not pinned)",
+          flush=True)
     env = dict(os.environ)
     if "--kv-secret-file" not in engine_args and not env.get(ENV_VAR):
         # Protected without configuration: a fresh secret for these processes only (the
@@ -46,9 +60,9 @@ def run_disagg(model: str | None, host: str, port: int, engine_args: list[str]) 
     procs: list[subprocess.Popen] = []
     try:
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(p_port), "--role", "prefill",
-                                       "--kv-port", str(kv_port), *engine_args], env=env))
+                                       "--kv-port", str(kv_port), "--cpu-cores", p_cores, *engine_args], env=env))
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(d_port), "--role", "decode",
-                                       *engine_args], env=env))
+                                       "--cpu-cores", d_cores, *engine_args], env=env))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         _wait_healthy(p_url, procs[0])
         _wait_healthy(d_url, procs[1])
