@@ -133,7 +133,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.cpu_cores, str):
             self.cpu_cores = parse_cores(self.cpu_cores)
-        check_placement(self.cpu_cores, self.num_threads)
+        self.cpu_cores = check_placement(self.cpu_cores, self.num_threads)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -265,7 +265,10 @@ def cmd_disagg(args: argparse.Namespace) -> int:
     for key, value in engine_kwargs(args).items():
         flag = "--" + key.replace("_", "-")
         if key in ("cpu_cores", "num_threads"):
-            continue  # placed per instance: --prefill-cores / --decode-cores
+            if value is not None:
+                raise ValueError(f"engine disagg places each instance itself: use --prefill-cores / "
+                                 f"--decode-cores instead of --{key.replace('_', '-')}")
+            continue
         if key == "enable_prefix_caching":
             engine_args += [] if value else ["--no-enable-prefix-caching"]
         elif value is not None:
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     px.set_defaults(func=cmd_proxy)
 
     dg = sub.add_parser("disagg", help="start a prefill instance, a decode instance and the proxy on this host; "
-                                       "other flags go to both engines")
+                                       "other engine flags go to both engines (not --cpu-cores / --num-threads)")
     dg.add_argument("model_path", nargs="?", default=None, metavar="MODEL")
     dg.add_argument("--host", default="127.0.0.1")
     dg.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from engine.cpu_placement import available_cores, parse_cores, split_cores
+from engine.cpu_placement import available_cores, check_placement, parse_cores, split_cores
 from engine.kv_transfer.secret import ENV_VAR, new_secret
 
 
@@ -36,11 +36,20 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> Non
 
 
 def core_split(prefill_cores: str | None, decode_cores: str | None) -> tuple[str, str]:
-    """Each instance's cores: as given, else the host's cores split in two halves (on one core
-    both share it). Every instance runs one torch thread per core it has."""
-    prefill_half, decode_half = split_cores(available_cores(), 2)
-    prefill = parse_cores(prefill_cores) if prefill_cores else prefill_half
-    decode = parse_cores(decode_cores) if decode_cores else decode_half
+    """Each instance's cores: as given; a side not given gets the cores the other leaves (all
+    of them if it leaves none); neither given: this host's physical cores in two halves (on
+    one core both share it). ValueError names a bad or unavailable list."""
+    ours = available_cores()
+    prefill = check_placement(parse_cores(prefill_cores), None) if prefill_cores is not None else None
+    decode = check_placement(parse_cores(decode_cores), None) if decode_cores is not None else None
+    if prefill is None and decode is None:
+        prefill, decode = split_cores(ours, 2)
+    elif prefill is None:
+        prefill = [c for c in ours if c not in decode] or ours
+    elif decode is None:
+        decode = [c for c in ours if c not in prefill] or ours
+    if set(prefill) & set(decode):
+        print(f"warning: prefill and decode share cores {sorted(set(prefill) & set(decode))}", flush=True)
     return ",".join(map(str, prefill)), ",".join(map(str, decode))
 
 
@@ -48,8 +57,8 @@ def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], 
                decode_cores: str | None = None) -> int:
     engine = [sys.executable, "-m", "entrypoints.cli"]
     p_cores, d_cores = core_split(prefill_cores, decode_cores)
-    print(f"cores: prefill {p_cores}, decode {d_cores} (one torch thread per core; the proxy is not pinned)",
-          flush=True)
+    print(f"cores: prefill {p_cores}, decode {d_cores} (each engine's compute pinned there, one torch thread "
+          f"per physical core; the API front ends and the proxy are not pinned)", flush=True)
     env = dict(os.environ)
     if "--kv-secret-file" not in engine_args and not env.get(ENV_VAR):
         # Protected without configuration: a fresh secret for these processes only (the

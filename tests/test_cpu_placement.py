@@ -1,12 +1,16 @@
-"""CPU placement (engine/cpu_placement.py): core lists, the split `engine disagg` makes, and a
-pinned `engine serve` whose engine process really runs on the cores it was given."""
+"""CPU placement (engine/cpu_placement.py): core lists, the split `engine disagg` makes and the
+flags it hands its instances, and a pinned `engine serve` whose engine threads really run on
+the cores they were given."""
 from __future__ import annotations
+
+import os
 
 import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.cpu_placement import available_cores, parse_cores, split_cores
+from engine.cpu_placement import MAX_CORE_ID, available_cores, parse_cores, physical_cores, split_cores
+from entrypoints import cli, launcher
 from entrypoints.launcher import core_split
 from tests.server_utils import ServerProcess
 
@@ -14,38 +18,69 @@ from tests.server_utils import ServerProcess
 def test_core_lists_parse_and_bad_ones_name_the_field():
     assert parse_cores("0-3,6") == [0, 1, 2, 3, 6]
     assert parse_cores(" 2, 0 ,2") == [0, 2]
-    for bad in ("", "a", "3-1", "-1", "0-", "1,,2"):
+    for bad in ("", " ", "a", "3-1", "-1", "0-", "1,,2", f"0-{MAX_CORE_ID + 1}", "0-4294967295"):
         with pytest.raises(ValueError, match="cpu_cores"):
             parse_cores(bad)
     with pytest.raises(ValueError, match="cpu_cores"):
         EngineConfig(cpu_cores=[max(available_cores()) + 1000])
-    with pytest.raises(ValueError, match="num_threads"):
-        EngineConfig(num_threads=0)
-    assert EngineConfig(cpu_cores="0").cpu_cores == [0] or 0 not in available_cores()
+    with pytest.raises(ValueError, match="cpu_cores"):
+        EngineConfig(cpu_cores=5)
+    for bad in (0, True, 10**9):
+        with pytest.raises(ValueError, match="num_threads"):
+            EngineConfig(num_threads=bad)
+    core = available_cores()[0]
+    assert EngineConfig(cpu_cores=f"{core},{core}").cpu_cores == [core]
+    assert EngineConfig(cpu_cores=[core, core]).cpu_cores == [core]
 
 
-def test_split_halves_and_shares_a_single_core():
-    assert split_cores([0, 1], 2) == [[0], [1]]
-    assert split_cores([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
-    assert split_cores([5], 2) == [[5], [5]]
-    prefill, decode = core_split(None, None)
-    assert set(map(int, prefill.split(","))) | set(map(int, decode.split(","))) == set(available_cores())
-    if len(available_cores()) > 1:
-        assert not set(prefill.split(",")) & set(decode.split(","))
-    assert core_split("0", None)[0] == "0"
+def test_split_keeps_physical_cores_whole():
+    cpus = available_cores()
+    cores = physical_cores(cpus)
+    assert sorted(c for core in cores for c in core) == cpus
+    prefill, decode = split_cores(cpus, 2)
+    assert sorted(set(prefill) | set(decode)) == cpus
+    if len(cores) > 1:
+        assert not set(prefill) & set(decode)
+        for core in cores:  # siblings land on one side
+            assert set(core) <= set(prefill) or set(core) <= set(decode)
+    else:
+        assert prefill == decode == cpus
 
 
-def test_a_pinned_server_runs_on_its_cores(tiny_llama):
+def test_disagg_hands_each_instance_its_cores_and_refuses_shared_placement(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launcher, "run_disagg", lambda *a: calls.append(a) or 0)
+    assert cli.main(["disagg", "--prefill-cores", str(available_cores()[0])]) == 0
+    model, host, port, engine_args, prefill_cores, decode_cores = calls[0]
+    assert prefill_cores == str(available_cores()[0]) and decode_cores is None
+    assert "--cpu-cores" not in engine_args and "--num-threads" not in engine_args
+    p, d = core_split(prefill_cores, decode_cores)
+    assert p == str(available_cores()[0])
+    assert d == ",".join(map(str, available_cores()[1:] or available_cores()))
+    for flag in (["--num-threads", "2"], ["--cpu-cores", "0"]):
+        assert cli.main(["disagg", *flag]) == 2  # refused with a message naming the per-instance flags
+    with pytest.raises(ValueError, match="cpu_cores"):
+        core_split("", None)
+
+
+def _allowed(pid: int) -> set[str]:
+    """Cpus_allowed_list of every thread of ``pid``."""
+    lists = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            lists.add(next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list")))
+    return lists
+
+
+def test_a_pinned_server_runs_every_engine_thread_on_its_core(tiny_llama):
     core = available_cores()[-1]
     server = ServerProcess(str(tiny_llama), "--num-blocks", "32", "--max-model-len", "256",
                            "--cpu-cores", str(core), "--num-threads", "1")
     try:
-        with open(f"/proc/{server.engine_pid}/status") as f:
-            allowed = next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
-        assert allowed == str(core)
         resp = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
             "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
-        assert resp.status_code == 200 and len(resp.json()["choices"][0]["text"]) > 0
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+        assert _allowed(server.engine_pid) == {str(core)}  # after a forward: torch's pool exists
         assert f"engine compute on cores [{core}] with 1 torch threads" in server.log_path.read_text()
     finally:
         server.stop()
