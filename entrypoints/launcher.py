@@ -11,7 +11,12 @@ import time
 
 import httpx
 
-from engine.cpu_placement import available_cores, check_placement, parse_cores, split_cores
+from engine.cpu_placement import (
+    available_cores,
+    check_placement,
+    parse_cores,
+    split_cores,
+)
 from engine.kv_transfer.secret import ENV_VAR, new_secret
 
 

@@ -9,7 +9,13 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.cpu_placement import MAX_CORE_ID, available_cores, parse_cores, physical_cores, split_cores
+from engine.cpu_placement import (
+    MAX_CORE_ID,
+    available_cores,
+    parse_cores,
+    physical_cores,
+    split_cores,
+)
 from entrypoints import cli, launcher
 from entrypoints.launcher import core_split
 from tests.server_utils import ServerProcess
