@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from engine.cpu_placement import check_placement, parse_cores
+from engine.cpu_placement import check_placement
 from engine.kv_transfer.secret import KVSecret, load_kv_secret
 
 _SIZE_UNITS = {
@@ -126,13 +126,12 @@ class EngineConfig:
     kv_secret_file: str | None = None
     kv_secret: KVSecret | bytes | str | None = field(default=None, repr=False)
     # CPU placement of the model's process (engine/cpu_placement.py): the cores it may use
-    # (a list, or a spec like "0-3,6") and torch's thread count (default: one per core).
+    # (a list, or a spec like "0-3,6") and torch's thread count (default with cores given: one
+    # per physical core among them; with neither, torch's own).
     cpu_cores: list[int] | str | None = None
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.cpu_cores, str):
-            self.cpu_cores = parse_cores(self.cpu_cores)
         self.cpu_cores = check_placement(self.cpu_cores, self.num_threads)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

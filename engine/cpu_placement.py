@@ -61,8 +61,10 @@ def split_cores(cpus: list[int], parts: int) -> list[list[int]]:
     return groups
 
 
-def check_placement(cpu_cores: list[int] | None, num_threads: int | None) -> list[int] | None:
-    """The normalised core list; ValueError naming the field."""
+def check_placement(cpu_cores: list[int] | str | None, num_threads: int | None) -> list[int] | None:
+    """The normalised core list (from a list or a spec like "0-3,6"); ValueError naming the field."""
+    if isinstance(cpu_cores, str):
+        cpu_cores = parse_cores(cpu_cores)
     if cpu_cores is not None:
         if not isinstance(cpu_cores, (list, tuple)) or not all(
                 isinstance(c, int) and not isinstance(c, bool) for c in cpu_cores):

@@ -47,7 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-cores", default=None, metavar="LIST",
                         help="pin the engine's compute to these cores, e.g. 0-3,6 (default: all it may use)")
     parser.add_argument("--num-threads", type=int, default=None, metavar="N",
-                        help="torch threads for the model (default: one per core it may use)")
+                        help="torch threads for the model (default with --cpu-cores: one per physical core "
+                             "among them; else torch's default)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -352,9 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     dg.add_argument("--host", default="127.0.0.1")
     dg.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
     dg.add_argument("--prefill-cores", default=None, metavar="LIST",
-                    help="cores of the prefill instance (default: the first half of this host's cores)")
+                    help="cores of the prefill instance (default: the first half of this host's physical cores)")
     dg.add_argument("--decode-cores", default=None, metavar="LIST",
-                    help="cores of the decode instance (default: the other half)")
+                    help="cores of the decode instance (default: the cores the prefill does not get)")
     add_engine_args(dg)
     dg.set_defaults(func=cmd_disagg)
 

@@ -14,7 +14,6 @@ import httpx
 from engine.cpu_placement import (
     available_cores,
     check_placement,
-    parse_cores,
     split_cores,
 )
 from engine.kv_transfer.secret import ENV_VAR, new_secret
@@ -45,8 +44,8 @@ def core_split(prefill_cores: str | None, decode_cores: str | None) -> tuple[str
     of them if it leaves none); neither given: this host's physical cores in two halves (on
     one core both share it). ValueError names a bad or unavailable list."""
     ours = available_cores()
-    prefill = check_placement(parse_cores(prefill_cores), None) if prefill_cores is not None else None
-    decode = check_placement(parse_cores(decode_cores), None) if decode_cores is not None else None
+    prefill = check_placement(prefill_cores, None)
+    decode = check_placement(decode_cores, None)
     if prefill is None and decode is None:
         prefill, decode = split_cores(ours, 2)
     elif prefill is None:
