@@ -127,11 +127,13 @@ def stream_latency(url: str, prompt: list[int], max_tokens: int) -> tuple[float,
     return ttft, itls
 
 
-def mixed_load(url: str, seconds: float, long_len: int = 2048, every: float = 4.0) -> tuple[float, float]:
+def mixed_load(url: str, seconds: float, long_len: int = 2048, every: float = 4.0) -> tuple[float, float, list[float]]:
     """Short streams decode continuously while a long prompt arrives every `every` seconds.
-    Returns (median, p99) inter-token latency of the short streams."""
+    Returns (median, p99) inter-token latency of the short streams and the long prompts' TTFTs
+    (of those answered within `seconds` + 120 s)."""
     stop = time.monotonic() + seconds
     itls: list[float] = []
+    long_ttfts: list[float] = []
     lock = threading.Lock()
 
     def short_streams(worker: int) -> None:
@@ -143,13 +145,21 @@ def mixed_load(url: str, seconds: float, long_len: int = 2048, every: float = 4.
                 itls.extend(gaps)
             i += 1
 
+    def long_prompt(prompt: list[int]) -> None:
+        ttft, _ = stream_latency(url, prompt, 1)
+        with lock:
+            long_ttfts.append(ttft)
+
     def long_prompts() -> None:
-        i = 0
+        i, sent = 0, []
         while time.monotonic() < stop:
             prompt = [5000 + (i * 7919 + j * 13) % 40000 for j in range(long_len)]
-            threading.Thread(target=stream_latency, args=(url, prompt, 1), daemon=True).start()
+            sent.append(threading.Thread(target=long_prompt, args=(prompt,), daemon=True))
+            sent[-1].start()
             i += 1
             time.sleep(every)
+        for t in sent:
+            t.join(120)
 
     threads = [threading.Thread(target=short_streams, args=(w,)) for w in range(4)]
     threads.append(threading.Thread(target=long_prompts))
@@ -158,7 +168,7 @@ def mixed_load(url: str, seconds: float, long_len: int = 2048, every: float = 4.
     for t in threads:
         t.join()
     itls.sort()
-    return statistics.median(itls), itls[int(0.99 * (len(itls) - 1))]
+    return statistics.median(itls), itls[int(0.99 * (len(itls) - 1))], sorted(long_ttfts)
 
 
 def serving(model: str | None, lengths: list[int], requests: int) -> list[tuple]:
@@ -244,7 +254,7 @@ def main() -> None:
                   "arrives every 4 s), ITL of the short streams:\n")
             print("| setup | median ITL ms | p99 ITL ms |")
             print("|---|---|---|")
-        for name, (median, p99) in mixed.items():
+        for name, (median, p99, _) in mixed.items():
             print(f"| {name} | {median * 1e3:.1f} | {p99 * 1e3:.1f} |")
 
 

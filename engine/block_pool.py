@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from engine.request import Request
 
 KV_HASH_VERSION = b"engine-kv-hash/v1"
@@ -73,6 +74,9 @@ class BlockPool:
         self.cached: dict[bytes, KVCacheBlock] = {}
         # Called with (hash, block_id) just before a cached block is overwritten.
         self.on_evict = on_evict
+        # Prefix-cache changes since the engine last drained them (engine/kv_events.py), or
+        # None when nobody publishes them.
+        self.kv_events: list[KVCacheEvent] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,20 +103,23 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > len(self.free_queue):
             raise RuntimeError(f"asked for {num_blocks} blocks with {len(self.free_queue)} free")
-        out = []
+        out, evicted = [], []
         for _ in range(num_blocks):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
-                self._evict(block)
+                self._evict(block, evicted)
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(evicted, None))
         return out
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def _evict(self, block: KVCacheBlock, evicted: list[bytes]) -> None:
         block_hash = block.block_hash
         assert block_hash is not None
         if self.cached.get(block_hash) is block:
             del self.cached[block_hash]
+            evicted.append(block_hash)
             if self.on_evict is not None:
                 self.on_evict(block_hash, block.block_id)
         block.block_hash = None
@@ -128,11 +135,13 @@ class BlockPool:
                     self.free_queue.move_to_end(block.block_id, last=False)
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes],
-                          start: int, end: int) -> None:
+                          start: int, end: int, token_ids: list[int] = (), block_size: int = 0) -> None:
         """Register blocks[start:end] under their hashes. A hash already cached elsewhere
-        (the same prefix computed twice concurrently) keeps its first block."""
+        (the same prefix computed twice concurrently) keeps its first block. ``token_ids``
+        (the request's) and ``block_size`` only go into KV events."""
         if not self.enable_caching:
             return
+        stored: list[int] = []
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is not None:
@@ -142,6 +151,16 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            stored.append(i)
+        if stored and self.kv_events is not None:
+            # One event per run of consecutive blocks: each names the parent of its first.
+            runs = [[stored[0]]]
+            for i in stored[1:]:
+                runs[-1].append(i) if i == runs[-1][-1] + 1 else runs.append([i])
+            for run in runs:
+                self.kv_events.append(BlockStored(
+                    [block_hashes[i] for i in run], block_hashes[run[0] - 1] if run[0] else None,
+                    list(token_ids[run[0] * block_size:(run[-1] + 1) * block_size]), block_size, None, None))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix held by free blocks (blocks in use keep theirs).
@@ -152,7 +171,11 @@ class BlockPool:
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Forget the hashes of blocks whose content is not valid (a failed KV load)."""
+        removed = []
         for block in blocks:
             if block.block_hash is not None and self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                removed.append(block.block_hash)
             block.block_hash = None
+        if removed and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(removed, None))

@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass, field
 
 from engine.cpu_placement import check_placement
+from engine.kv_events import KVEventsConfig, parse_kv_events_config
 from engine.kv_transfer.secret import KVSecret, load_kv_secret
 
 _SIZE_UNITS = {
@@ -130,9 +131,21 @@ class EngineConfig:
     # per physical core among them; with neither, torch's own).
     cpu_cores: list[int] | str | None = None
     num_threads: int | None = None
+    # Core lending on one host (engine/core_lending.py), for a served engine: a prefill instance
+    # lends its cpu_cores while idle and says so through this file; a decode instance borrows
+    # the cores of the instance writing that file while it is idle.
+    lend_cores_file: str | None = None
+    borrow_cores_file: str | None = None
+    # KV events for routers (engine/kv_events.py): vLLM's --kv-events-config, a dict or JSON.
+    kv_events_config: KVEventsConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         self.cpu_cores = check_placement(self.cpu_cores, self.num_threads)
+        if self.lend_cores_file and self.borrow_cores_file:
+            raise ValueError("an instance lends its cores (lend_cores_file) or borrows (borrow_cores_file), not both")
+        if (self.lend_cores_file or self.borrow_cores_file) and self.cpu_cores is None:
+            raise ValueError("core lending needs the instance's own cores: cpu_cores")
+        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -17,7 +17,9 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.core_lending import core_lending
+from engine.kv_events import KVEventPublisher
+from engine.errors import InvalidRequestError, PrefillElsewhere
 from engine.ipc import (Ack, AbortRequests, AddRequest, ChoiceDelta, EngineDead, EngineInfo, EngineStats,
                         Outputs, RequestDelta, Shutdown, TierStats, ToCore)
 from engine.llm_engine import LLMEngine, OutputKind
@@ -36,6 +38,10 @@ class EngineCore:
     def __init__(self, engine: LLMEngine, max_queue_len: int | None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
+        self.lending = core_lending(engine.config)
+        config = engine.config
+        self.kv_events = (KVEventPublisher(config.kv_events_config, config.kv_secret)
+                          if config.kv_events_config is not None else None)
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -50,6 +56,8 @@ class EngineCore:
                                     first_tokens_shown=msg.first_tokens_shown)
         except InvalidRequestError as exc:
             return Ack(msg.request_id, 400, str(exc), exc.param)
+        except PrefillElsewhere as exc:
+            return Ack(msg.request_id, 409, str(exc), "kv_transfer_params.max_local_prefill_tokens")
         except ValueError as exc:
             return Ack(msg.request_id, 400, str(exc))
         self.prompt_tokens += len(msg.prompt_token_ids) * msg.params.n
@@ -57,6 +65,8 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         deltas = [self._to_delta(out) for out in self.engine.step()]
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.drain_kv_events())
         self.generation_tokens += sum(len(c.token_ids) for d in deltas for c in d.choices)
         return deltas
 
@@ -113,17 +123,19 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
     try:
         try:
             engine = LLMEngine(config)
-        except Exception as exc:  # a bad model or flag: tell the server why, then exit
+            core = EngineCore(engine, max_queue_len)
+        except Exception as exc:  # a bad model or flag, a port in use: tell the server why, then exit
             logger.exception("engine failed to start")
             push.send(encoder.encode(EngineDead(f"engine failed to start: {exc}")))
             raise SystemExit(1)
-        core = EngineCore(engine, max_queue_len)
         push.send(encoder.encode(EngineInfo(engine.max_model_len, engine.vocab_size, config.block_size,
                                             engine.runner.num_blocks, engine.fingerprint,
                                             config.max_num_seqs)))
         try:
             _loop(core, pull, push, encoder, decoder, parent_pid)
         finally:
+            if core.kv_events is not None:
+                core.kv_events.shutdown()
             engine.shutdown()
     finally:
         pull.close()
@@ -159,6 +171,10 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
         if os.getppid() != parent_pid:
             logger.warning("API server process is gone; engine core exiting")
             return
+        if core.lending is not None:
+            # Computing, not merely holding KV for a transfer: only then are the cores in use.
+            scheduler = core.engine.scheduler
+            core.lending.before_step(scheduler.num_running + scheduler.num_waiting > 0)
         deltas = []
         # Idle, a step still runs once per stats interval: the connector's counters (a KV
         # server's refusals, bytes a peer pulled) come back only with a step's output.

@@ -80,10 +80,11 @@ def check_placement(cpu_cores: list[int] | str | None, num_threads: int | None) 
     return cpu_cores
 
 
-def apply_placement(cpu_cores: list[int] | None, num_threads: int | None) -> None:
+def apply_placement(cpu_cores: list[int] | None, num_threads: int | None, quiet: bool = False) -> None:
     """Pin every thread of this process to ``cpu_cores`` (threads created later inherit it) and
     run ``num_threads`` torch threads (default with cores given: one per physical core). Called
-    once, before the model loads. In an offline LLM this changes the calling process for good."""
+    before the model loads (and by core lending between steps). In an offline LLM this changes
+    the calling process for good."""
     import torch
 
     if cpu_cores is not None:
@@ -95,5 +96,5 @@ def apply_placement(cpu_cores: list[int] | None, num_threads: int | None) -> Non
     threads = num_threads or (len(physical_cores(cpu_cores)) if cpu_cores is not None else None)
     if threads is not None:
         torch.set_num_threads(threads)
-    if cpu_cores is not None or num_threads is not None:
+    if (cpu_cores is not None or num_threads is not None) and not quiet:
         logger.info("engine compute on cores %s with %d torch threads", available_cores(), torch.get_num_threads())

@@ -5,3 +5,14 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class PrefillElsewhere(Exception):
+    """A decode instance declines to prefill a prompt itself (conditional disaggregation):
+    more of it is uncached than the proxy's ``max_local_prefill_tokens``. Nothing was queued.
+    The API server answers 409 with error type ``prefill_remotely``."""
+
+    def __init__(self, num_uncached_tokens: int, limit: int) -> None:
+        super().__init__(f"{num_uncached_tokens} prompt tokens are not in this instance's prefix cache (more than "
+                         f"kv_transfer_params.max_local_prefill_tokens={limit}): prefill them on a prefill instance")
+        self.num_uncached_tokens = num_uncached_tokens

@@ -15,7 +15,7 @@ from engine.block_pool import BlockHasher, root_block_hash
 from engine.config import EngineConfig
 from engine.cpu_placement import apply_placement
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, PrefillElsewhere
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.multi import MultiConnectorScheduler, MultiConnectorWorker
@@ -154,6 +154,8 @@ class LLMEngine:
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
+        if config.kv_events_config is not None:
+            self.kv_cache_manager.pool.kv_events = []  # drained by the engine core after each step
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector)
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:
@@ -257,6 +259,12 @@ class LLMEngine:
         hands_off = (kv_transfer_params is not None and kv_transfer_params.do_remote_decode and first_tokens is None
                      and self.scheduler.connector.offers_kv)
         max_tokens = self.validate(prompt_token_ids, params, hands_off)
+        limit = kv_transfer_params.max_local_prefill_tokens if kv_transfer_params is not None else None
+        if limit is not None and not kv_transfer_params.acts_on_remote_kv:
+            probe = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, self.block_hasher)
+            uncached = self.scheduler.num_uncached_prompt_tokens(probe)
+            if uncached > limit:
+                raise PrefillElsewhere(uncached, limit)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         state = _RequestState(request_id, prompt_text, prompt_token_ids, kind, {}, arrival_time, hands_off=hands_off)
         requests: list[Request] = []
@@ -377,6 +385,14 @@ class LLMEngine:
         for tier, s in new.stores.items():
             s["load_seconds"] = (old.stores.get(tier, {}).get("load_seconds", []) + s["load_seconds"])[-MAX_KEPT_DURATIONS:]
         self.kv_connector_stats = new
+
+    def drain_kv_events(self) -> list:
+        """Prefix-cache changes since the last call (engine/kv_events.py; empty when off)."""
+        pool = self.kv_cache_manager.pool
+        if not pool.kv_events:
+            return []
+        events, pool.kv_events = pool.kv_events, []
+        return events
 
     def drain_kv_connector_stats(self) -> KVConnectorStats:
         """The latest counters with the durations since the previous drain (the core's stats messages)."""

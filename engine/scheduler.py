@@ -79,6 +79,12 @@ class Scheduler:
         logger.debug("request %s: WAITING (%d prompt tokens, max_tokens %d)", request.request_id,
                      request.num_prompt_tokens, request.max_tokens)
 
+    def num_uncached_prompt_tokens(self, request: Request) -> int:
+        """Prompt tokens a prefill here would compute now: those not in the device prefix
+        cache (KV tiers are not asked: a lookup there may cost a round trip)."""
+        _, num_hit = self.kv.get_computed_blocks(request)
+        return request.num_prompt_tokens - num_hit
+
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
         """End requests from outside a step (abort, a stop string). Unknown ids are ignored."""
         assert status.is_finished

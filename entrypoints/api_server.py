@@ -15,6 +15,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.block_pool import root_block_hash
 from engine.core_client import AsyncEngineClient, EngineRequestError, RequestStream
 from engine.ipc import ChoiceDelta, LogprobEntry
 from engine.kv_transfer.params import (
@@ -46,7 +47,8 @@ from entrypoints.protocol import (
 logger = logging.getLogger("engine.api")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+                409: "prefill_remotely", 413: "invalid_request_error", 500: "internal_server_error",
+                503: "service_unavailable"}
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -98,10 +100,16 @@ class OpenAIServer:
 
     # ---- input -------------------------------------------------------------------------
     async def _parse(self, raw: Request, model_cls):
+        return self._validate(await self._read(raw), model_cls)
+
+    @staticmethod
+    async def _read(raw: Request) -> dict:
         try:
-            data = await read_json_object(raw)
+            return await read_json_object(raw)
         except BodyError as exc:
             raise APIError(exc.status, exc.message, exc.param) from None
+
+    def _validate(self, data: dict, model_cls):
         try:
             request = model_cls.model_validate(data)
         except pydantic.ValidationError as exc:
@@ -230,6 +238,31 @@ class OpenAIServer:
                                      headers={"X-Request-Id": request_id})
         return await _until_disconnect(raw, response.collect(streams), streams,
                                        lambda: response._finish_metrics(aborted=True))
+
+    async def tokenize(self, raw: Request) -> dict:
+        """vLLM's /tokenize: the token ids this server would run for a completion's one prompt
+        or a chat's messages (its chat template applied); a KV-aware router hashes them."""
+        data = await self._read(raw)
+        if "messages" in data:
+            request = self._validate(data, ChatCompletionRequest)
+            tokens = await self._off_loop(self._chat_prompt, request)
+        else:
+            request = self._validate(data, CompletionRequest)
+            prompts = await self._off_loop(self._completion_prompts, request.prompt)
+            if len(prompts) != 1:
+                raise APIError(400, f"tokenize takes one prompt, got {len(prompts)}", "prompt")
+            tokens = prompts[0]
+        return {"count": len(tokens), "max_model_len": self.client.info.max_model_len, "tokens": tokens}
+
+    def kv_events_info(self) -> dict | None:
+        """Where this instance publishes KV events, and what a router needs to compute the block
+        hashes they name (engine/block_pool.py): the block size and the root hash."""
+        config, info = self.client.config, self.client.info
+        events = config.kv_events_config
+        if events is None or info is None:
+            return None
+        return {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic,
+                "block_size": config.block_size, "root_block_hash": root_block_hash(info.fingerprint).hex()}
 
     def models(self) -> dict:
         max_len = self.client.info.max_model_len if self.client.info else None
@@ -460,7 +493,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
+        if server.api_key and request.url.path.startswith(("/v1", "/tokenize")):
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {server.api_key}".encode()):  # constant time
                 return APIError(401, "Unauthorized: missing or wrong API key").response()
@@ -482,6 +515,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         return await server.chat_completions(raw)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await server.tokenize(raw)
 
     @app.get("/v1/models")
     async def models():
@@ -519,6 +556,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
                 "kv_store": {tier: {"hits": t.hits, "misses": t.misses, "bytes_stored": t.bytes_stored,
                                     "bytes_loaded": t.bytes_loaded, "used_bytes": t.used_bytes,
                                     "rejected": t.rejected}
-                             for tier, t in stats.kv_store.items()}}
+                             for tier, t in stats.kv_store.items()},
+                "kv_events": server.kv_events_info()}
 
     return app

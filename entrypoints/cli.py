@@ -129,8 +129,10 @@ def check_kv_exposure(args: argparse.Namespace, config) -> None:
     """Safe by default: the KV plane is only reachable beyond this host with a deployment
     secret. That is a prefill's KV port, a decode's readiness to act on the kv_transfer_params
     its clients send, and KV store entries in a Redis that others can write to."""
+    from engine.kv_events import endpoint_host
+
     transfer = config.kv_transfer_config
-    if transfer is None and not config.kv_store:
+    if transfer is None and not config.kv_store and config.kv_events_config is None:
         return
     exposed = set() if _is_loopback(args.host) else {args.host}
     if transfer is not None:
@@ -139,6 +141,11 @@ def check_kv_exposure(args: argparse.Namespace, config) -> None:
         if not _is_loopback(transfer.kv_ip):
             exposed.add(transfer.kv_ip)
     exposed.update(f"Redis at {h or '?'}" for h in _redis_hosts(config.kv_store) if not _is_loopback(h))
+    events = config.kv_events_config
+    for endpoint in (events.endpoint, events.replay_endpoint) if events is not None else ():
+        host = endpoint_host(endpoint or "")
+        if host and not _is_loopback(host):
+            exposed.add(f"KV events on {endpoint}")
     if exposed and config.kv_secret is None and not args.insecure_kv:
         raise ValueError(f"the KV plane on {', '.join(sorted(exposed))} without a deployment secret would let anyone "
                          "who reaches it read KV, point this instance at their own or plant store entries: create "
@@ -169,7 +176,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model(args.model_path or args.model)
     served = args.served_model_name or [args.model_path or args.model or "SmolLM2-135M-Instruct"]
-    config = EngineConfig(model=str(model_dir), kv_transfer_config=kv_transfer_config(args), **engine_kwargs(args))
+    config = EngineConfig(model=str(model_dir), kv_transfer_config=kv_transfer_config(args),
+                          lend_cores_file=args.lend_cores, borrow_cores_file=args.borrow_cores,
+                          kv_events_config=args.kv_events_config, **engine_kwargs(args))
     check_kv_exposure(args, config)
     api_key = args.api_key or os.environ.get("ENGINE_API_KEY")
 
@@ -202,11 +211,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from entrypoints.proxy import Proxy, build_proxy_app
+    from entrypoints.proxy import DisaggPolicy, Proxy, build_proxy_app
 
-    proxy = Proxy(args.prefill, args.decode, args.policy, args.timeout)
-    logging.getLogger("engine").info("proxy on http://%s:%d: prefill %s -> decode %s", args.host, args.port,
-                                     args.prefill, args.decode)
+    from engine.kv_transfer.secret import load_kv_secret
+    from entrypoints.kv_router import KVRouter
+
+    if args.instance and (args.prefill or args.decode):
+        raise ValueError("engine proxy takes --instance URLs (replicas) or --prefill and --decode URLs, not both")
+    if not args.instance and not (args.prefill and args.decode):
+        raise ValueError("engine proxy needs --instance URLs, or at least one --prefill and one --decode URL")
+    disagg = DisaggPolicy(args.max_local_prefill_tokens, args.max_prefill_queue)
+    router = KVRouter(args.kv_load_weight, load_kv_secret(args.kv_secret_file)) if args.routing == "kv-aware" else None
+    if args.instance:
+        proxy = Proxy([], args.instance, args.routing, args.timeout, router=router)
+        logging.getLogger("engine").info("proxy on http://%s:%d: replicas %s, %s routing", args.host, args.port,
+                                         args.instance, args.routing)
+    else:
+        proxy = Proxy(args.prefill, args.decode, args.routing, args.timeout, disagg=disagg, router=router)
+        logging.getLogger("engine").info(
+            "proxy on http://%s:%d: prefill %s -> decode %s, %s routing; %s", args.host, args.port, args.prefill,
+            args.decode, args.routing,
+            f"decode prefills prompts with up to {disagg.max_local_prefill_tokens} uncached tokens itself, and any "
+            f"prompt while a prefill instance has {disagg.max_prefill_queue} in flight" if disagg.conditional
+            else "every prompt through a prefill instance")
     uvicorn.run(build_proxy_app(proxy), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=10)
     return 0
@@ -231,6 +258,21 @@ def format_status(url: str, status: dict) -> str:
     return "\n".join(lines)
 
 
+def format_proxy_status(url: str, status: dict) -> str:
+    disagg = status["disagg"]
+    lines = [f"{url}  proxy ({status['policy']} routing)"]
+    if status["prefill"]:
+        counts = "  ".join(f"{d['path']}/{d['reason']} {d['count']}" for d in disagg["decisions"])
+        lines[0] += (f"  local prefill up to {disagg['max_local_prefill_tokens']} uncached tokens, prefill queue "
+                     f"{disagg['max_prefill_queue']}")
+        lines.append(f"  decisions  {counts}")
+    for index in status.get("kv_routing") or ():
+        rate = index["predicted_hit_rate"]
+        lines.append(f"  kv index   {index['url']}  {index['index_blocks']} blocks  routed {index['routed']}  "
+                     f"predicted hit rate {'-' if rate is None else f'{rate:.0%}'}  resyncs {index['resyncs']}")
+    return "\n".join(lines)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx
 
@@ -248,10 +290,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             failed += 1
             continue
         if status.get("proxy"):  # a proxy: show it, then every instance behind it
-            print(f"{url}  proxy ({status['policy']})")
+            print(format_proxy_status(url, status))
             for role in ("prefill", "decode"):
                 for up in status[role]:
-                    print(f"  {role:7s} {up['url']}  in flight {up['in_flight']}")
+                    label = role if status["prefill"] else "replica"
+                    print(f"  {label:7s} {up['url']}  in flight {up['in_flight']}")
                     urls.append(up["url"])
             continue
         print(format_status(url, status))
@@ -274,7 +317,20 @@ def cmd_disagg(args: argparse.Namespace) -> int:
             engine_args += [] if value else ["--no-enable-prefix-caching"]
         elif value is not None:
             engine_args += [flag, str(value)]
-    return run_disagg(args.model_path, args.host, args.port, engine_args, args.prefill_cores, args.decode_cores)
+    proxy_args = ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens),
+                  "--max-prefill-queue", str(args.max_prefill_queue)]
+    return run_disagg(args.model_path, args.host, args.port, engine_args, args.prefill_cores, args.decode_cores,
+                      proxy_args, core_lending=args.core_lending)
+
+
+def add_disagg_policy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-local-prefill-tokens", type=int, default=512, metavar="N",
+                        help="conditional disaggregation: a decode instance prefills a prompt itself when at most N "
+                             "of its tokens are missing from its prefix cache; longer ones go through a prefill "
+                             "instance (default 512; 0: every prompt through a prefill instance)")
+    parser.add_argument("--max-prefill-queue", type=int, default=4, metavar="N",
+                        help="while the least-loaded prefill instance has N of this proxy's requests in flight, "
+                             "decode instances prefill long prompts too (default 4)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,19 +388,42 @@ def main(argv: list[str] | None = None) -> int:
                      help="allow the KV plane (--role prefill/decode, --kv-store) on a non-loopback address, or with a remote "
                           "Redis, without a deployment secret "
                           "(anyone who reaches the ports can then read KV or steer the decode instance)")
+    srv.add_argument("--kv-events-config", default=None, metavar="JSON",
+                     help='publish prefix-cache changes for routers, vLLM-style: {"enable_kv_cache_events": true, '
+                          '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", '
+                          '"topic": "kv-events", "buffer_steps": 10000} (off loopback: needs the deployment secret)')
+    srv.add_argument("--lend-cores", default=None, metavar="FILE",
+                     help="core lending on one host (with --cpu-cores): while this instance computes nothing, "
+                          "the instance started with --borrow-cores FILE may run on its cores; this instance "
+                          "says when through FILE (engine disagg sets this up for its prefill instance)")
+    srv.add_argument("--borrow-cores", default=None, metavar="FILE",
+                     help="with --cpu-cores: also run on the cores of the instance lending through FILE "
+                          "while it is idle, one torch thread per physical core (engine disagg's decode instance)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     px = sub.add_parser("proxy", help="route each request through a prefill and then a decode instance")
     px.add_argument("--host", default="127.0.0.1")
     px.add_argument("--port", type=int, default=8000)
-    px.add_argument("--prefill", action="append", required=True, metavar="URL",
+    px.add_argument("--prefill", action="append", default=[], metavar="URL",
                     help="a prefill instance (engine serve --role prefill); repeat for several")
-    px.add_argument("--decode", action="append", required=True, metavar="URL",
+    px.add_argument("--decode", action="append", default=[], metavar="URL",
                     help="a decode instance (engine serve --role decode); repeat for several")
-    px.add_argument("--policy", default="least-loaded", choices=["least-loaded", "round-robin"])
+    px.add_argument("--instance", action="append", default=[], metavar="URL",
+                    help="instead of --prefill/--decode: a plain instance (engine serve) serving whole requests; "
+                         "repeat for several replicas")
+    px.add_argument("--routing", "--policy", dest="routing", default="least-loaded",
+                    choices=["kv-aware", "least-loaded", "round-robin"],
+                    help="how to pick a decode instance or replica: kv-aware (the one holding most of the "
+                         "prompt's KV, from the instances' --kv-events-config events, traded against load), "
+                         "least-loaded (default) or round-robin; prefill instances are always least-loaded")
+    px.add_argument("--kv-load-weight", type=float, default=256.0, metavar="TOKENS",
+                    help="kv-aware: cost of one open request on an instance, in uncached prompt tokens (default 256)")
+    px.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                    help="kv-aware: the deployment secret, to read the instances' KV events (or ENGINE_KV_SECRET)")
     px.add_argument("--timeout", type=float, default=300.0,
                     help="deadline in seconds for each upstream call (between chunks when streaming)")
+    add_disagg_policy_args(px)
     px.set_defaults(func=cmd_proxy)
 
     dg = sub.add_parser("disagg", help="start a prefill instance, a decode instance and the proxy on this host; "
@@ -356,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="cores of the prefill instance (default: the first half of this host's physical cores)")
     dg.add_argument("--decode-cores", default=None, metavar="LIST",
                     help="cores of the decode instance (default: the cores the prefill does not get)")
+    add_disagg_policy_args(dg)
+    dg.add_argument("--no-core-lending", dest="core_lending", action="store_false",
+                    help="keep the decode instance on its own cores even while the prefill instance is idle "
+                         "(by default it borrows them then)")
     add_engine_args(dg)
     dg.set_defaults(func=cmd_disagg)
 

@@ -3,10 +3,12 @@ three processes, with Ctrl-C/SIGTERM forwarded to all of them."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -58,11 +60,17 @@ def core_split(prefill_cores: str | None, decode_cores: str | None) -> tuple[str
 
 
 def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], prefill_cores: str | None = None,
-               decode_cores: str | None = None) -> int:
+               decode_cores: str | None = None, proxy_args: list[str] = (), core_lending: bool = True) -> int:
     engine = [sys.executable, "-m", "entrypoints.cli"]
     p_cores, d_cores = core_split(prefill_cores, decode_cores)
+    lending_dir = tempfile.mkdtemp(prefix="engine-cores-")  # private (0700): only our processes steer placement
+    lend, borrow = [], []
+    if core_lending and p_cores != d_cores:
+        board = os.path.join(lending_dir, "prefill")
+        lend, borrow = ["--lend-cores", board], ["--borrow-cores", board]
     print(f"cores: prefill {p_cores}, decode {d_cores} (each engine's compute pinned there, one torch thread "
-          f"per physical core; the API front ends and the proxy are not pinned)", flush=True)
+          f"per physical core; the API front ends and the proxy are not pinned)"
+          + ("; the decode also runs on the prefill's cores while the prefill is idle" if lend else ""), flush=True)
     env = dict(os.environ)
     if "--kv-secret-file" not in engine_args and not env.get(ENV_VAR):
         # Protected without configuration: a fresh secret for these processes only (the
@@ -73,14 +81,15 @@ def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], 
     procs: list[subprocess.Popen] = []
     try:
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(p_port), "--role", "prefill",
-                                       "--kv-port", str(kv_port), "--cpu-cores", p_cores, *engine_args], env=env))
+                                       "--kv-port", str(kv_port), "--cpu-cores", p_cores, *lend, *engine_args],
+                                      env=env))
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(d_port), "--role", "decode",
-                                       "--cpu-cores", d_cores, *engine_args], env=env))
+                                       "--cpu-cores", d_cores, *borrow, *engine_args], env=env))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         _wait_healthy(p_url, procs[0])
         _wait_healthy(d_url, procs[1])
         procs.append(subprocess.Popen([*engine, "proxy", "--host", host, "--port", str(port),
-                                       "--prefill", p_url, "--decode", d_url]))
+                                       "--prefill", p_url, "--decode", d_url, *proxy_args], env=env))
         _wait_healthy(f"http://{host}:{port}", procs[2], timeout=60)
         print(f"""
 prefill {p_url} (KV on port {kv_port}) -> decode {d_url}, proxy on http://{host}:{port}
@@ -103,3 +112,4 @@ Ctrl-C stops all three.""", flush=True)
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(lending_dir, ignore_errors=True)

@@ -1,6 +1,17 @@
-"""`engine proxy`: an OpenAI-compatible front that sends each request through a prefill
-instance, then a decode instance.
+"""`engine proxy`: an OpenAI-compatible front for prefill and decode instances.
 
+Conditional disaggregation (as Dynamo does it): a prompt goes through a prefill instance only
+when that pays. With ``max_local_prefill_tokens`` > 0 (the default) the proxy asks a decode
+instance to serve the request itself, telling it that limit; the decode instance looks up the
+prompt in its prefix cache and either serves it (its uncached part is short) or answers 409
+``prefill_remotely`` before queueing anything. Then, while the least-loaded prefill instance has
+fewer than ``max_prefill_queue`` of this proxy's requests in flight, the request takes the remote
+path below; a busy or unreachable prefill tier means the decode instance prefills it anyway
+(asked again, without the limit). Each decision is counted by path and reason (``/metrics``:
+``engine:disagg_decisions_total``; ``/status``). ``max_local_prefill_tokens`` 0 sends every
+request through a prefill instance.
+
+The remote path:
 1. P gets the client's request (stream=false) with kv_transfer_params {"do_remote_decode":
    true}: it computes the prompt's KV and samples the first token of every sequence with the
    client's own parameters, holds the KV under a lease, and returns those first tokens with
@@ -10,22 +21,28 @@ instance, then a decode instance.
    gets the original request plus those params: it pulls the KV into its own cache, continues
    from the first tokens, and its answer (whole, or the rest of the stream) is passed through.
 
-Every upstream call has a deadline; upstream errors reach the client as OpenAI error bodies
-(never an empty 200); a client that disconnects closes the upstream connection, which aborts
-the request there. The same request id travels to P and D (X-Request-Id).
+Outputs are the same on either path (greedy or seeded): both run the same model on the same
+tokens. Every upstream call has a deadline; upstream errors reach the client as OpenAI error
+bodies (never an empty 200); a client that disconnects closes the upstream connection, which
+aborts the request there. The same request id travels to P and D (X-Request-Id).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
+from entrypoints.kv_router import KVRouter
 from entrypoints.protocol import (
     FIRST_TOKENS_SHOWN,
     BodyError,
@@ -48,6 +65,27 @@ class Upstream:
     in_flight: int = 0
 
 
+@dataclass(frozen=True)
+class DisaggPolicy:
+    """When a request goes through a prefill instance (remote) rather than being prefilled by
+    the decode instance that serves it (local)."""
+    max_local_prefill_tokens: int = 512  # 0: always remote
+    max_prefill_queue: int = 4  # the least-loaded prefill instance's requests in flight, from this proxy
+
+    def __post_init__(self) -> None:
+        if self.max_local_prefill_tokens < 0 or self.max_prefill_queue < 1:
+            raise ValueError("--max-local-prefill-tokens must be >= 0 and --max-prefill-queue >= 1")
+
+    @property
+    def conditional(self) -> bool:
+        return self.max_local_prefill_tokens > 0
+
+
+# (path, reason) of every decision the proxy can take; all are exported, zeros included.
+DECISIONS = (("remote", "always"), ("remote", "long_prompt"), ("local", "short_prompt"),
+             ("local", "prefill_busy"), ("local", "prefill_unreachable"))
+
+
 def error_response(status: int, message: str, kind: str = "upstream_error", param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status)
@@ -55,12 +93,23 @@ def error_response(status: int, message: str, kind: str = "upstream_error", para
 
 class Proxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
-                 timeout: float = 300.0, connect_timeout: float = 5.0) -> None:
-        if not prefill_urls or not decode_urls:
-            raise ValueError("the proxy needs at least one --prefill and one --decode URL")
+                 timeout: float = 300.0, connect_timeout: float = 5.0,
+                 disagg: DisaggPolicy = DisaggPolicy(), router: KVRouter | None = None) -> None:
+        """``prefill_urls`` empty: ``decode_urls`` are plain replicas (engine proxy --instance),
+        each serving whole requests. ``policy``: least-loaded, round-robin or kv-aware (then
+        ``router`` follows the KV events of the decode instances or replicas)."""
+        if not decode_urls:
+            raise ValueError("the proxy needs --instance URLs, or at least one --prefill and one --decode URL")
+        if policy not in ("least-loaded", "round-robin", "kv-aware"):
+            raise ValueError(f"--routing must be kv-aware, least-loaded or round-robin, got {policy!r}")
         self.prefills = [Upstream(u.rstrip("/")) for u in prefill_urls]
         self.decodes = [Upstream(u.rstrip("/")) for u in decode_urls]
         self.policy = policy
+        self.disagg = disagg
+        self.router = router if policy == "kv-aware" else None
+        if policy == "kv-aware" and self.router is None:
+            self.router = KVRouter()
+        self.decisions: Counter[tuple[str, str]] = Counter({d: 0 for d in DECISIONS})
         self.timeout = timeout
         self._rr = itertools.count()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
@@ -71,6 +120,49 @@ class Proxy:
         start = next(self._rr) % len(pool)
         rotated = pool[start:] + pool[:start]
         return rotated if self.policy == "round-robin" else sorted(rotated, key=lambda u: u.in_flight)
+
+    def pick(self, pool: list[Upstream], tokens: list[int] | None) -> Upstream:
+        """Where to serve: with kv-aware routing the instance holding most of the prompt,
+        traded against load (entrypoints/kv_router.py); else the first of ``ordered``."""
+        if self.router is None:
+            return self.ordered(pool)[0]
+        upstream, _ = self.router.choose(self.ordered(pool), tokens)
+        return upstream
+
+    async def tokens_of(self, path: str, body: dict, headers: dict) -> list[int] | None:
+        """The engine's token ids of a request (for kv-aware routing): asked of an instance,
+        since only the engine knows its chat template. None when that fails (several prompts,
+        an instance down): the request is then routed by load."""
+        if self.router is None:
+            return None
+        probe = {k: body[k] for k in ("model", "prompt", "messages", "chat_template", "add_generation_prompt")
+                 if k in body}
+        for upstream in self.ordered(self.decodes)[:2]:
+            try:
+                resp = await self.http.post(f"{upstream.url}/tokenize", json=probe, headers=headers, timeout=10)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                tokens = resp.json().get("tokens")
+                return tokens if isinstance(tokens, list) else None
+            return None
+        return None
+
+    async def watch_instances(self) -> None:
+        """Follow the KV events of every decode instance (or replica) that publishes them;
+        instances not up yet are asked again every few seconds."""
+        pending = {u.url for u in self.decodes}
+        while pending:
+            for url in sorted(pending):
+                try:
+                    resp = await self.http.get(f"{url}/status", timeout=5)
+                    info = resp.json().get("kv_events") if resp.status_code == 200 else None
+                except (httpx.HTTPError, ValueError):
+                    continue
+                self.router.watch(url, info)
+                pending.discard(url)
+            if pending:
+                await asyncio.sleep(2)
 
     @staticmethod
     def _headers(raw: Request, request_id: str) -> dict:
@@ -86,17 +178,17 @@ class Proxy:
             return error_response(504, f"{role} {upstream.url} did not answer within {self.timeout:.0f}s")
         return error_response(502, f"{role} {upstream.url} failed: {type(exc).__name__}: {exc}")
 
-    async def prefill(self, path: str, body: dict, headers: dict) -> dict | JSONResponse:
-        """Run the prompt on a prefill instance; returns its answer (with kv_transfer_params) or an error."""
+    async def prefill(self, path: str, body: dict, headers: dict) -> dict | JSONResponse | None:
+        """Run the prompt on a prefill instance; returns its answer (with kv_transfer_params),
+        an error, or None when no prefill instance could be reached."""
         p_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         p_body.pop("stream_options", None)
-        last_error = None
         for upstream in self.ordered(self.prefills):
             upstream.in_flight += 1
             try:
                 resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
             except httpx.ConnectError as exc:  # down: try the next prefill instance
-                last_error = self._upstream_error("prefill", upstream, exc)
+                logger.warning("prefill %s unreachable: %s", upstream.url, exc)
                 continue
             except httpx.HTTPError as exc:
                 return self._upstream_error("prefill", upstream, exc)
@@ -109,7 +201,11 @@ class Proxy:
                 return error_response(502, f"prefill {upstream.url} returned no kv_transfer_params "
                                            "(is it running with --role prefill?)")
             return answer
-        return last_error
+        return None
+
+    def _decided(self, path: str, reason: str, request_id: str) -> None:
+        self.decisions[path, reason] += 1
+        logger.info("%s: %s prefill (%s)", request_id, path, reason)
 
     async def handle(self, raw: Request, path: str) -> Response:
         try:
@@ -118,11 +214,33 @@ class Proxy:
         except BodyError as exc:
             return error_response(exc.status, exc.message, "invalid_request_error", exc.param)
         body["request_id"] = request_id
+        body.pop("kv_transfer_params", None)  # the proxy's to set, never a client's
         headers = self._headers(raw, request_id)
+        tokens = await self.tokens_of(path, body, headers)
+        if not self.prefills:  # plain replicas
+            return await self._serve_locally(raw, path, body, headers, tokens)
+        reason = "always"
+        if self.disagg.conditional:
+            limit = {"max_local_prefill_tokens": self.disagg.max_local_prefill_tokens}
+            answer = await self._serve_locally(raw, path, {**body, "kv_transfer_params": limit}, headers, tokens)
+            if answer is not None:
+                self._decided("local", "short_prompt", request_id)
+                return answer
+            # Declined (nothing was queued there): a long prompt.
+            if min(u.in_flight for u in self.prefills) >= self.disagg.max_prefill_queue:
+                self._decided("local", "prefill_busy", request_id)
+                return await self._serve_locally(raw, path, body, headers, tokens)
+            reason = "long_prompt"
         started = time.monotonic()
         answer = await _until_disconnect(raw, self.prefill(path, body, headers))
+        if answer is None:
+            if not self.disagg.conditional:
+                return error_response(502, "prefill unreachable: " + ", ".join(u.url for u in self.prefills))
+            self._decided("local", "prefill_unreachable", request_id)
+            return await self._serve_locally(raw, path, body, headers, tokens)
         if isinstance(answer, Response):
             return answer
+        self._decided("remote", reason, request_id)
         logger.info("%s prefilled in %.3fs", request_id, time.monotonic() - started)
         params = answer.pop("kv_transfer_params")
         first = FirstTokens(answer, chat=path.endswith("chat/completions"))
@@ -134,25 +252,83 @@ class Proxy:
                                          headers={"X-Request-Id": request_id})
             return JSONResponse(answer, headers={"X-Request-Id": request_id})
         d_body = {**body, "kv_transfer_params": params}
-        upstream = self.ordered(self.decodes)[0]
+        upstream = self.pick(self.decodes, tokens)
         if body.get("stream"):
             # The client has the first tokens: D's stream goes on after them.
             headers = {**headers, FIRST_TOKENS_SHOWN: "1"}
             return await self._stream_decode(upstream, path, d_body, headers, request_id, first)
-        return await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
+        answer = await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
+        return answer.response if isinstance(answer, _Unreachable) else answer
 
-    async def _decode(self, upstream: Upstream, path: str, body: dict, headers: dict) -> Response:
+    async def _serve_locally(self, raw: Request, path: str, body: dict, headers: dict,
+                             tokens: list[int] | None) -> Response | None:
+        """The whole request on a decode instance (or replica), which prefills it itself. None:
+        it declined (the body carried max_local_prefill_tokens and more of the prompt is
+        uncached there). An instance that cannot be reached is replaced by the next best one
+        (nothing was sent to the client yet)."""
+        candidates = self.decodes
+        while True:
+            upstream = self.pick(candidates, tokens)
+            answer = await self._serve_on(upstream, raw, path, body, headers)
+            unreachable = isinstance(answer, _Unreachable)
+            if not unreachable:
+                return answer
+            candidates = [u for u in candidates if u is not upstream]
+            if not candidates:
+                return answer.response
+
+    async def _serve_on(self, upstream: Upstream, raw: Request, path: str, body: dict,
+                        headers: dict) -> Response | None:
+        if not body.get("stream"):
+            return await _until_disconnect(raw, self._decode(upstream, path, body, headers))
+        upstream.in_flight += 1
+        try:
+            resp = await self.http.send(self.http.build_request(
+                "POST", f"{upstream.url}{path}", json=body, headers=headers), stream=True)
+        except httpx.HTTPError as exc:
+            upstream.in_flight -= 1
+            error = self._upstream_error("decode", upstream, exc)
+            return _Unreachable(error) if isinstance(exc, httpx.ConnectError) else error
+        if resp.status_code != 200:
+            try:
+                await resp.aread()
+            finally:
+                await resp.aclose()
+                upstream.in_flight -= 1
+            return None if _declined(resp) else _passthrough_error(resp)
+        return StreamingResponse(self._relay(upstream, resp), media_type="text/event-stream",
+                                 headers={"X-Request-Id": headers["X-Request-Id"]})
+
+    async def _decode(self, upstream: Upstream, path: str, body: dict, headers: dict) -> Response | None:
         upstream.in_flight += 1
         try:
             resp = await self.http.post(f"{upstream.url}{path}", json=body, headers=headers)
         except httpx.HTTPError as exc:
-            return self._upstream_error("decode", upstream, exc)
+            error = self._upstream_error("decode", upstream, exc)
+            return _Unreachable(error) if isinstance(exc, httpx.ConnectError) else error
         finally:
             upstream.in_flight -= 1
         if resp.status_code != 200:
-            return _passthrough_error(resp)
+            return None if _declined(resp) else _passthrough_error(resp)
         return Response(resp.content, status_code=200, media_type="application/json",
                         headers={"X-Request-Id": headers["X-Request-Id"]})
+
+    async def _relay(self, upstream: Upstream, resp: httpx.Response, skip_role: bool = False):
+        """D's open stream, event by event; the caller counted it in upstream.in_flight."""
+        try:
+            events = _sse_events(resp.aiter_raw())
+            if skip_role:  # the client had the role chunk already
+                await anext(events, None)
+            async for event in events:
+                yield event
+        except httpx.HTTPError as exc:  # D died or stalled mid-stream: tell the client, then end
+            err = {"error": {"message": f"decode {upstream.url} failed mid-stream: {type(exc).__name__}",
+                             "type": "upstream_error", "param": None, "code": 502}}
+            yield sse(err) + sse("[DONE]")
+        finally:
+            # Also runs when the client disconnects: closing aborts the request on D.
+            await resp.aclose()
+            upstream.in_flight -= 1
 
     async def _stream_decode(self, upstream: Upstream, path: str, body: dict, headers: dict,
                              request_id: str, first: "FirstTokens") -> Response:
@@ -169,24 +345,16 @@ class Proxy:
                 upstream.in_flight -= 1
                 yield _error_event(self._upstream_error("decode", upstream, exc))
                 return
-            try:
-                if resp.status_code != 200:
+            if resp.status_code != 200:
+                try:
                     await resp.aread()
-                    yield _error_event(_passthrough_error(resp))
-                    return
-                events = _sse_events(resp.aiter_raw())
-                if first.chat:  # D's own role chunk: the client had ours
-                    await anext(events, None)
-                async for event in events:
-                    yield event
-            except httpx.HTTPError as exc:  # D died or stalled mid-stream: tell the client, then end
-                err = {"error": {"message": f"decode {upstream.url} failed mid-stream: {type(exc).__name__}",
-                                 "type": "upstream_error", "param": None, "code": 502}}
-                yield sse(err) + sse("[DONE]")
-            finally:
-                # Also runs when the client disconnects: closing aborts the request on D.
-                await resp.aclose()
-                upstream.in_flight -= 1
+                finally:
+                    await resp.aclose()
+                    upstream.in_flight -= 1
+                yield _error_event(_passthrough_error(resp))
+                return
+            async for event in self._relay(upstream, resp, skip_role=first.chat):
+                yield event
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 
@@ -200,7 +368,7 @@ class Proxy:
         d = await asyncio.gather(*(ok(u) for u in self.decodes))
         body = {"prefill": dict(zip((u.url for u in self.prefills), p)),
                 "decode": dict(zip((u.url for u in self.decodes), d))}
-        return JSONResponse(body, status_code=200 if any(p) and any(d) else 503)
+        return JSONResponse(body, status_code=200 if (any(p) or not self.prefills) and any(d) else 503)
 
 
 class FirstTokens:
@@ -260,6 +428,20 @@ async def _sse_events(raw):
         yield buffer
 
 
+@dataclass
+class _Unreachable:
+    """An instance refused the connection: nothing was sent, another may serve the request."""
+    response: JSONResponse
+
+
+def _declined(resp: httpx.Response) -> bool:
+    """A decode instance's 409: it will not prefill this prompt itself."""
+    try:
+        return resp.status_code == 409 and resp.json()["error"]["type"] == "prefill_remotely"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 def _passthrough_error(resp: httpx.Response) -> Response:
     try:
         body = resp.json()
@@ -289,8 +471,29 @@ async def _until_disconnect(raw: Request, work):
         watcher.cancel()
 
 
+class _DecisionCollector:
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    def collect(self):
+        family = CounterMetricFamily("engine:disagg_decisions", "Requests by prefill path (remote: through a prefill "
+                                     "instance; local: prefilled by the decode instance) and the reason.",
+                                     labels=["path", "reason"])
+        for (path, reason), count in sorted(self.proxy.decisions.items()):
+            family.add_metric([path, reason], count)
+        yield family
+
+
 def build_proxy_app(proxy: Proxy) -> FastAPI:
-    app = FastAPI(title="engine proxy", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        watcher = asyncio.create_task(proxy.watch_instances()) if proxy.router is not None else None
+        yield
+        if watcher is not None:
+            watcher.cancel()
+            proxy.router.stop()
+
+    app = FastAPI(title="engine proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -320,9 +523,22 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
 
     @app.get("/status")
     async def status():
-        """The proxy's view: its upstreams and the requests it has in flight on each."""
+        """The proxy's view: its upstreams, the requests it has in flight on each, and its
+        disaggregation decisions so far."""
         return {"proxy": True, "policy": proxy.policy,
+                "disagg": {"max_local_prefill_tokens": proxy.disagg.max_local_prefill_tokens,
+                           "max_prefill_queue": proxy.disagg.max_prefill_queue,
+                           "decisions": [{"path": p, "reason": r, "count": n}
+                                         for (p, r), n in sorted(proxy.decisions.items())]},
                 "prefill": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.prefills],
-                "decode": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.decodes]}
+                "decode": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.decodes],
+                "kv_routing": proxy.router.status() if proxy.router is not None else None}
+
+    registry = CollectorRegistry()
+    registry.register(_DecisionCollector(proxy))
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(registry).decode())
 
     return app

@@ -17,6 +17,10 @@ from tests.server_utils import REPO, ServerProcess, free_port
 class ProxyProcess:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *args: str) -> None:
         self.port = free_port()
+        if "--max-local-prefill-tokens" not in args:
+            # Every request through the prefill instance, as the P->D tests need (the default,
+            # conditional disaggregation, would prefill their short prompts on the decode side).
+            args = ("--max-local-prefill-tokens", "0", *args)
         cmd = [sys.executable, "-m", "entrypoints.cli", "proxy", "--port", str(self.port), *args]
         for url in prefill_urls:
             cmd += ["--prefill", url]
@@ -51,14 +55,23 @@ class Disagg:
     `engine disagg` starts them) unless ``secret`` says otherwise (None: no secret)."""
 
     def __init__(self, model: str, *engine_args: str, prefill_args: tuple = (), decode_args: tuple = (),
-                 secret: str | None = "fresh") -> None:
+                 secret: str | None = "fresh", proxy_args: tuple = ()) -> None:
         self.kv_port = free_port()
         self.secret = new_secret() if secret == "fresh" else secret
         env = {ENV_VAR: self.secret} if self.secret else {}
+        # Both start at once and load side by side.
         self.prefill = ServerProcess(model, *engine_args, "--role", "prefill", "--kv-port", str(self.kv_port),
-                                     *prefill_args, env=env)
-        self.decode = ServerProcess(model, *engine_args, "--role", "decode", *decode_args, env=env)
-        self.proxy = ProxyProcess([self.prefill.url], [self.decode.url])
+                                     *prefill_args, env=env, wait=False)
+        self.decode = ServerProcess(model, *engine_args, "--role", "decode", *decode_args, env=env, wait=False)
+        try:
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+        except Exception:
+            for server in (self.prefill, self.decode):
+                if server.proc.poll() is None:
+                    server.proc.kill()  # its engine core exits with it (it watches its parent)
+            raise
+        self.proxy = ProxyProcess([self.prefill.url], [self.decode.url], *proxy_args)
         self.url = self.proxy.url
 
     def wait_idle(self) -> None:

@@ -36,8 +36,11 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProcess:
     def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 120.0,
-                 env: dict | None = None) -> None:
-        self.port = free_port()
+                 env: dict | None = None, port: int | None = None, wait: bool = True) -> None:
+        """Starts the server; with ``wait`` (default) returns once it is healthy. Without,
+        call ``wait_ready()`` (servers started together then load side by side)."""
+        self.args = args
+        self.port = port or free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "entrypoints.cli", "serve", *args, "--port", str(self.port)]
         if api_key:
@@ -47,7 +50,12 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + startup_timeout
+        self.startup_timeout = startup_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited during start-up:\n{self.log_path.read_text()[-3000:]}")
@@ -58,7 +66,7 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"server not healthy after {startup_timeout}s")
+                raise TimeoutError(f"server not healthy after {self.startup_timeout}s")
             time.sleep(0.25)
         self.engine_pid = self.status()["engine_pid"]
 

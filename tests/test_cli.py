@@ -58,7 +58,8 @@ def test_engine_status_through_a_proxy(tiny_llama):
                                 capture_output=True, text=True, timeout=60)
         out = result.stdout
         assert result.returncode == 1 and f"{dead}  UNREACHABLE" in out
-        assert "proxy (least-loaded)" in out and cluster.prefill.url in out and cluster.decode.url in out
+        assert "proxy (least-loaded routing)" in out and "decisions  local/prefill_busy 0" in out
+        assert cluster.prefill.url in out and cluster.decode.url in out
         assert out.count("requests   running 0  waiting 0 (for remote KV 0)  held for transfer 0") == 2
         assert out.count("kv blocks  total 64  free 64") == 2 and "transfers  in flight 0" in out
     finally:

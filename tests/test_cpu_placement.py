@@ -1,6 +1,7 @@
-"""CPU placement (engine/cpu_placement.py): core lists, the split `engine disagg` makes and the
-flags it hands its instances, and a pinned `engine serve` whose engine threads really run on
-the cores they were given."""
+"""CPU placement (engine/cpu_placement.py, engine/core_lending.py): core lists, the split
+`engine disagg` makes and the flags it hands its instances, a pinned `engine serve` whose engine
+threads really run on the cores they were given, and a decode instance that runs on the prefill
+instance's cores exactly while that one is idle."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,9 @@ import os
 import httpx
 import pytest
 
+from engine import core_lending
 from engine.config import EngineConfig
+from engine.core_lending import CoreBorrower, CoreLender
 from engine.cpu_placement import (
     MAX_CORE_ID,
     available_cores,
@@ -18,7 +21,7 @@ from engine.cpu_placement import (
 )
 from entrypoints import cli, launcher
 from entrypoints.launcher import core_split
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, wait_for
 
 
 def test_core_lists_parse_and_bad_ones_name_the_field():
@@ -55,9 +58,10 @@ def test_split_keeps_physical_cores_whole():
 
 def test_disagg_hands_each_instance_its_cores_and_refuses_shared_placement(monkeypatch):
     calls = []
-    monkeypatch.setattr(launcher, "run_disagg", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(launcher, "run_disagg", lambda *a, **k: calls.append(a) or 0)
     assert cli.main(["disagg", "--prefill-cores", str(available_cores()[0])]) == 0
-    model, host, port, engine_args, prefill_cores, decode_cores = calls[0]
+    model, host, port, engine_args, prefill_cores, decode_cores, proxy_args = calls[0]
+    assert proxy_args == ["--max-local-prefill-tokens", "512", "--max-prefill-queue", "4"]
     assert prefill_cores == str(available_cores()[0]) and decode_cores is None
     assert "--cpu-cores" not in engine_args and "--num-threads" not in engine_args
     p, d = core_split(prefill_cores, decode_cores)
@@ -90,3 +94,64 @@ def test_a_pinned_server_runs_every_engine_thread_on_its_core(tiny_llama):
         assert f"engine compute on cores [{core}] with 1 torch threads" in server.log_path.read_text()
     finally:
         server.stop()
+
+
+def test_lender_and_borrower_agree_through_the_file(tmp_path, monkeypatch):
+    placed = []
+    monkeypatch.setattr(core_lending, "apply_placement", lambda cores, threads, quiet: placed.append(cores))
+    board = str(tmp_path / "board")
+    borrower = CoreBorrower(board, [1])
+    borrower.before_step(True)  # no lender yet: stays on its own cores
+    assert placed == []
+    lender = CoreLender(board, [0, 2])
+    borrower.before_step(True)  # lender idle: borrow its cores
+    assert placed == [[0, 1, 2]]
+    borrower.before_step(False)  # nothing to compute: nothing checked or changed
+    lender.before_step(True)
+    borrower.before_step(True)  # lender busy: give them back
+    assert placed == [[0, 1, 2], [1]]
+    borrower.before_step(True)  # unchanged: no new placement
+    assert len(placed) == 2
+    lender.before_step(False)
+    borrower.before_step(True)
+    assert placed[-1] == [0, 1, 2]
+    for junk in (b"x" * 64, b"0 0-99999999", b"\xff\xfe", b""):  # unreadable: own cores only
+        with open(board, "wb") as f:
+            f.write(junk)
+        borrower.before_step(True)
+        assert placed[-1] == [1]
+    lender.close()
+
+
+def test_a_borrowing_decode_instance_runs_on_the_lenders_cores_only_while_it_idles(tiny_llama, tmp_path):
+    cores = available_cores()
+    assert len(cores) >= 2, "core lending needs two cores to show anything"
+    own, lent = cores[-1], cores[0]
+    board = tmp_path / "board"
+    args = (str(tiny_llama), "--num-blocks", "32", "--max-model-len", "256")
+    lender = ServerProcess(*args, "--cpu-cores", str(lent), "--lend-cores", str(board))
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    try:
+        assert httpx.post(f"{lender.url}/v1/completions", timeout=60, json=body).status_code == 200
+        wait_for(lambda: board.read_text().strip() == f"0 {lent}", timeout=10,
+                 state=lambda: board.read_text())  # idle again after its request
+    finally:
+        lender.stop()
+    board.write_text(f"1 {lent}".ljust(64))  # as a busy lender writes it
+    server = ServerProcess(*args, "--cpu-cores", str(own), "--borrow-cores", str(board))
+    try:
+        assert httpx.post(f"{server.url}/v1/completions", timeout=60, json=body).status_code == 200
+        assert _allowed(server.engine_pid) == {str(own)}
+        board.write_text(f"0 {lent}".ljust(64))  # idle now
+        assert httpx.post(f"{server.url}/v1/completions", timeout=60, json=body).status_code == 200
+        both = ",".join(map(str, sorted({own, lent})))
+        assert _allowed(server.engine_pid) == {both if abs(own - lent) > 1 else f"{min(own, lent)}-{max(own, lent)}"}
+        board.write_text(f"1 {lent}".ljust(64))
+        assert httpx.post(f"{server.url}/v1/completions", timeout=60, json=body).status_code == 200
+        assert _allowed(server.engine_pid) == {str(own)}
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(cpu_cores=[own], lend_cores_file="a", borrow_cores_file="b")
+    with pytest.raises(ValueError, match="cpu_cores"):
+        EngineConfig(borrow_cores_file="b")

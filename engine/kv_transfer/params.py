@@ -44,6 +44,11 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
       ``first_logprobs`` their logprob entries ((token, logprob, rank), sampled first). The
       decode instance continues from the prompt plus that token, as a colocated engine would,
       but only for the prompt they were sampled for (``first_tokens_digest``, of the whole prompt).
+    - ``max_local_prefill_tokens`` (proxy -> decode, conditional disaggregation): prefill here
+      only when at most this many prompt tokens are missing from this instance's prefix cache;
+      otherwise refuse with 409 ``prefill_remotely`` before queueing anything (the proxy then
+      sends the request through a prefill instance). It only ever makes an instance do less, so
+      it needs no signature.
     """
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -59,6 +64,7 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
                                              msgspec.Meta(max_length=2 * MAX_LOGPROB_ENTRIES)]],
                               msgspec.Meta(max_length=MAX_SEQUENCES)] | None = None
     first_tokens_digest: ShortStr | None = None
+    max_local_prefill_tokens: NonNegative | None = None
     inject_fault: ShortStr | None = None  # test hook, honoured only with ENGINE_ALLOW_KV_FAULTS=1
     expires_at: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0  # unix seconds; part of what is signed
     signature: ShortStr | None = None  # hex HMAC-SHA256 (key "params") of the other fields

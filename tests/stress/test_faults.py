@@ -88,12 +88,12 @@ def test_damaged_kv_frames_on_concurrent_transfers(stress_model, reference):
     each transfer did what its fault must do: the decode log names, per request, the check
     that rejected it; the failure counters hold exactly one entry per damaged transfer under
     its reason; the clean and duplicated transfers delivered all their bytes. Deadlines are
-    far above what a transfer takes under this load (P's lease 120 s, D's load deadline 20 s),
+    far above what a transfer takes under this load (P's lease 120 s, D's load deadline 10 s),
     so a timeout can only come from a dropped frame, never stand in for a rejection."""
     kv_port = free_port()
     prefill = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(kv_port),
                             "--kv-lease-s", "120", env={"ENGINE_ALLOW_KV_FAULTS": "1"})
-    decode = ServerProcess(str(stress_model), *ARGS, "--role", "decode", "--kv-load-timeout-s", "20")
+    decode = ServerProcess(str(stress_model), *ARGS, "--role", "decode", "--kv-load-timeout-s", "10")
     faults = [None, "truncate", "reorder", "corrupt", "bad_dtype", "bad_shape", "duplicate", "drop", None] * 3
     prompts = [_prompt(100 + i, 40 + 13 * i) for i in range(len(faults))]
     expected = [reference(p) for p in prompts]  # the offline LLM is not thread-safe: before the threads

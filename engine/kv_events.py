@@ -1,0 +1,200 @@
+"""KV events: an instance's prefix-cache changes, published for routers (vLLM's format).
+
+Each engine step that changed the prefix cache publishes one ``KVEventBatch`` on a zmq PUB
+socket as three frames: topic, sequence number (8 bytes big-endian, from 0, +1 per batch) and
+the msgpack-encoded batch. ``BlockStored`` names blocks that entered the prefix cache (their
+chained hashes, in order, the parent of the first, their tokens), ``BlockRemoved`` blocks that
+left it, ``AllBlocksCleared`` everything (always the first batch a publisher sends: a subscriber
+seeing it drops what it knew of this instance, e.g. after a restart). The hashes are those of
+engine/block_pool.py: SHA-256 chains from a root derived from the model fingerprint, so anyone
+with the tokens and the fingerprint computes the same ones.
+
+A subscriber that sees a gap in the sequence asks the replay socket (ROUTER) for the batches
+from a sequence number on: it sends the number (8 bytes big-endian; a DEALER sends an empty
+delimiter frame first) and gets ``[seq, payload]`` messages for every batch still buffered
+from there, then ``[-1 (8 bytes, signed), b""]``. The buffer keeps the last ``buffer_steps``
+batches; a subscriber that fell further behind gets what is left, sees that the first replayed
+number is past the one it asked for, and starts that instance's index over.
+
+Both sockets bind loopback by default. Elsewhere they need the deployment secret (like the rest
+of the KV plane): both are CURVE servers whose keypair derives from the secret, so a peer
+without it cannot complete a handshake (block hashes say which prompts an instance has seen).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Union
+
+import msgspec
+import zmq
+import zmq.utils.z85
+
+logger = logging.getLogger("engine.kv_events")
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the events (tagged by class name, as vLLM's)."""
+
+
+# Every field required, as in vLLM: array_like drops trailing defaults, which its decoder refuses.
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
+class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """``--kv-events-config`` (vLLM's keys)."""
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = "tcp://127.0.0.1:5558"
+    topic: str = "kv-events"
+    buffer_steps: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.publisher != "zmq":
+            raise ValueError(f"kv_events_config.publisher: only zmq is supported, got {self.publisher!r}")
+        if not 1 <= self.buffer_steps <= 1_000_000:
+            raise ValueError("kv_events_config.buffer_steps must be between 1 and 1000000")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"kv_events_config.{name} must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
+
+
+def parse_kv_events_config(value) -> KVEventsConfig | None:
+    """A config, dict or JSON string as a checked config (None when events are off);
+    ValueError naming the field."""
+    if value is None or isinstance(value, KVEventsConfig):
+        config = value
+    else:
+        try:
+            raw = msgspec.json.decode(value) if isinstance(value, (str, bytes)) else value
+            config = msgspec.convert(raw, KVEventsConfig)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ValueError(f"kv-events-config: {exc}") from None
+    return config if config is not None and config.enable_kv_cache_events else None
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host part of tcp://HOST:PORT ("" for ipc://, which never leaves this host)."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
+def event_keys(secret, role: str) -> tuple[bytes, bytes]:
+    """The CURVE keypair of the event sockets' server or client, from the deployment secret."""
+    secret_key = zmq.utils.z85.encode(secret.key(f"kv-events-curve-{role}"))
+    return zmq.curve_public(secret_key), secret_key
+
+
+class KVEventPublisher:
+    """Publishes batches from the engine core on a thread of its own (which alone touches the
+    sockets), so a slow subscriber or a replay never holds up a step."""
+
+    def __init__(self, config: KVEventsConfig, secret=None) -> None:
+        self.config, self.secret = config, secret
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise ValueError("kv_events_config: the publisher did not start")
+        if self._error is not None:
+            raise ValueError(f"kv_events_config: cannot bind: {self._error}") from self._error
+        self.publish([AllBlocksCleared()])
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        if events:
+            self._queue.put(KVEventBatch(ts=time.time(), events=events))
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+    def _socket(self, ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.secret is not None:
+            public, secret_key = event_keys(self.secret, "server")
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = public, secret_key
+        sock.bind(endpoint)
+        return sock
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        try:
+            pub = self._socket(ctx, zmq.PUB, self.config.endpoint)
+            replay = (self._socket(ctx, zmq.ROUTER, self.config.replay_endpoint)
+                      if self.config.replay_endpoint else None)
+        except Exception as exc:  # a port in use, a bad address: the engine refuses to start
+            self._error = exc
+            self._ready.set()
+            ctx.destroy(linger=0)
+            return
+        self._ready.set()
+        topic = self.config.topic.encode()
+        encoder = msgspec.msgpack.Encoder()
+        buffer: deque[tuple[bytes, bytes]] = deque(maxlen=self.config.buffer_steps)
+        poller = zmq.Poller()
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
+        seq = 0
+        try:
+            while True:
+                # Replays are served between batches; an idle publisher waits on both.
+                if replay is not None and poller.poll(0 if not self._queue.empty() else 20):
+                    self._serve_replay(replay, buffer)
+                while True:
+                    try:
+                        batch = self._queue.get(timeout=None if replay is None else 0)
+                    except queue.Empty:
+                        break
+                    if batch is None:
+                        return
+                    seq_bytes, payload = seq.to_bytes(8, "big"), encoder.encode(batch)
+                    pub.send_multipart([topic, seq_bytes, payload])
+                    buffer.append((seq_bytes, payload))
+                    seq += 1
+        finally:
+            ctx.destroy(linger=0)
+
+    @staticmethod
+    def _serve_replay(replay: zmq.Socket, buffer: deque) -> None:
+        frames = replay.recv_multipart()
+        identity, start = frames[0], frames[-1]
+        if len(start) != 8:  # not a request: ignore
+            return
+        first = int.from_bytes(start, "big")
+        for seq_bytes, payload in list(buffer):
+            if int.from_bytes(seq_bytes, "big") >= first:
+                replay.send_multipart([identity, b"", seq_bytes, payload])
+        replay.send_multipart([identity, b"", END_OF_REPLAY, b""])

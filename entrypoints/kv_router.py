@@ -1,0 +1,259 @@
+"""KV-aware routing for `engine proxy --routing kv-aware`: which instance holds a prompt's prefix.
+
+Every instance publishes its prefix-cache changes (engine/kv_events.py). The router subscribes
+to each one on a thread of its own and keeps, per instance, the set of block hashes it holds.
+For a request it asks an instance to tokenize it (`POST /tokenize`, the exact tokens the engine
+will run, chat template included), hashes the full blocks the way the engines do (chained
+SHA-256 from the root hash the instance reports in /status) and picks the instance with the
+lowest cost:
+
+    cost(i) = uncached_prompt_tokens(i) + load_weight * in_flight(i)
+
+where uncached_prompt_tokens(i) is the prompt length minus the longest prefix of its blocks
+instance i holds, and in_flight(i) the requests this proxy has open there. ``load_weight``
+(``--kv-load-weight``, tokens per open request, default 256) trades cache hits against load: a
+cached prefix of 1,000 tokens outweighs four extra open requests. Ties go to the least loaded.
+
+Stays correct when things go wrong, because a wrong index only ever costs a cache miss: an
+instance's first batch after a (re)start is AllBlocksCleared, so its entries are dropped; a gap
+in the sequence numbers is filled from the replay socket, or, when the replay no longer has it,
+the instance's entries are dropped and rebuilt from then on; an instance whose events cannot be
+reached counts as holding nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+import zmq.utils.monitor
+
+from engine.block_pool import BlockHasher
+from engine.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, event_keys
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine.proxy")
+
+REPLAY_TIMEOUT_MS = 2000
+
+
+@dataclass
+class InstanceIndex:
+    """The block hashes one instance holds, as its events say."""
+    url: str
+    hashes: set[bytes] = field(default_factory=set)
+    last_seq: int = -1
+    resyncs: int = 0  # times the index was dropped (restart, or a gap the replay could not fill)
+    routed: int = 0  # requests routed here
+    prompt_tokens: int = 0  # of those requests
+    predicted_hits: int = 0  # prompt tokens the index said were cached here
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        with self.lock:
+            for event in batch.events:
+                if isinstance(event, AllBlocksCleared):
+                    self.hashes.clear()
+                elif isinstance(event, BlockStored):
+                    self.hashes.update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    self.hashes.difference_update(event.block_hashes)
+            self.last_seq = seq
+
+    def reset(self) -> None:
+        with self.lock:
+            self.hashes.clear()
+            self.resyncs += 1
+
+    def prefix_blocks(self, hashes: list[bytes]) -> int:
+        with self.lock:
+            n = 0
+            for h in hashes:
+                if h not in self.hashes:
+                    break
+                n += 1
+            return n
+
+
+class EventSubscriber(threading.Thread):
+    """Feeds one InstanceIndex from its instance's PUB socket; fills gaps from the replay socket."""
+
+    def __init__(self, index: InstanceIndex, endpoint: str, replay_endpoint: str | None, topic: str,
+                 secret=None) -> None:
+        super().__init__(name=f"kv-events {index.url}", daemon=True)
+        self.index, self.topic, self.secret = index, topic.encode(), secret
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.ctx = zmq.Context()
+        self._stop_event = threading.Event()
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.secret is not None:
+            sock.curve_serverkey = event_keys(self.secret, "server")[0]
+            sock.curve_publickey, sock.curve_secretkey = event_keys(self.secret, "client")
+        sock.connect(endpoint)
+        return sock
+
+    def run(self) -> None:
+        sub = self._socket(zmq.SUB, self.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # Connections coming and going: a reconnect may be a restarted instance whose first
+        # batch (AllBlocksCleared) went out before we were back.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.replay = self._socket(zmq.DEALER, self.replay_endpoint) if self.replay_endpoint else None
+        replay = self.replay is not None
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        dropped = False
+        try:
+            # What the instance holds already: everything its replay buffer still has.
+            if replay:
+                self._replay(0)
+            while not self._stop_event.is_set():
+                ready = dict(poller.poll(100))
+                if monitor in ready:
+                    event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        dropped = True
+                    elif event == zmq.EVENT_CONNECTED and dropped and replay:
+                        dropped = False
+                        self._replay(0)
+                if sub not in ready:
+                    continue
+                frames = sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                try:
+                    batch = self.decoder.decode(frames[2])
+                except msgspec.DecodeError:
+                    logger.warning("undecodable KV event batch from %s", self.index.url)
+                    continue
+                last = self.index.last_seq
+                if seq <= last and not _starts_over(batch):
+                    if seq < last:  # numbering went back without a clear: a restart we missed
+                        self.index.reset()
+                    else:
+                        continue  # a duplicate
+                elif seq > last + 1 and last >= 0 and replay:
+                    self._replay(last + 1, until=seq)
+                self.index.apply(seq, batch)
+        except zmq.ZMQError as exc:
+            if not self._stop_event.is_set():
+                logger.warning("KV events of %s: %s", self.index.url, exc)
+        finally:
+            self.ctx.destroy(linger=0)
+
+    def _replay(self, first: int, until: int | None = None) -> None:
+        """Apply the buffered batches from ``first`` (up to ``until``). When the instance no
+        longer has ``first``, its index starts over with what it still has."""
+        replay = self.replay
+        replay.send_multipart([b"", first.to_bytes(8, "big")])
+        started = False
+        while replay.poll(REPLAY_TIMEOUT_MS):
+            frames = replay.recv_multipart()
+            if len(frames) != 3 or frames[1] == END_OF_REPLAY:
+                return
+            seq = int.from_bytes(frames[1], "big")
+            if not started:
+                started = True
+                if seq > first and first > 0:
+                    self.index.reset()  # missed more than the buffer holds
+            if until is not None and seq >= until:
+                continue
+            try:
+                self.index.apply(seq, self.decoder.decode(frames[2]))
+            except msgspec.DecodeError:
+                continue
+        logger.warning("KV events of %s: no answer from the replay socket", self.index.url)
+        # A late answer must not be read as the answer to the next request: a new socket.
+        replay.close(linger=0)
+        self.replay = self._socket(zmq.DEALER, self.replay_endpoint)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def _starts_over(batch: KVEventBatch) -> bool:
+    return bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
+
+
+def connectable(endpoint: str, instance_url: str) -> str:
+    """An endpoint as the instance advertised it, with a wildcard host replaced by the host the
+    proxy reaches the instance at."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if host.strip("[]") in ("*", "0.0.0.0", "::", ""):
+        host = urlsplit(instance_url).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{port}"
+
+
+class KVRouter:
+    def __init__(self, load_weight: float = 256.0, secret=None) -> None:
+        self.load_weight, self.secret = load_weight, secret
+        self.indexes: dict[str, InstanceIndex] = {}
+        self.hashers: dict[str, BlockHasher] = {}
+        self.subscribers: list[EventSubscriber] = []
+
+    def watch(self, url: str, events_info: dict | None) -> None:
+        """Start following an instance's events (``events_info``: its /status ``kv_events``)."""
+        index = self.indexes.setdefault(url, InstanceIndex(url))
+        if not events_info:
+            logger.warning("%s publishes no KV events (start it with --kv-events-config): it counts as holding "
+                           "nothing", url)
+            return
+        self.hashers[url] = BlockHasher(int(events_info["block_size"]), bytes.fromhex(events_info["root_block_hash"]))
+        replay = events_info.get("replay_endpoint")
+        subscriber = EventSubscriber(index, connectable(events_info["endpoint"], url),
+                                     connectable(replay, url) if replay else None,
+                                     events_info.get("topic", "kv-events"), self.secret)
+        subscriber.start()
+        self.subscribers.append(subscriber)
+
+    def block_hashes(self, url: str, token_ids: list[int]) -> list[bytes]:
+        hasher = self.hashers.get(url)
+        if hasher is None:
+            return []
+        return Request("route", token_ids, SamplingParams(), frozenset(), 1, hasher).block_hashes
+
+    def choose(self, candidates: list, token_ids: list[int] | None):
+        """(the upstream with the lowest cost, predicted cached tokens there). ``candidates``
+        have ``url`` and ``in_flight``, in tie-breaking order."""
+        best, best_cost, best_hit = None, None, 0
+        hashes_by_hasher: dict[int, list[bytes]] = {}
+        for upstream in candidates:
+            hit = 0
+            hasher = self.hashers.get(upstream.url)
+            if token_ids and hasher is not None:
+                key = id(hasher)
+                if key not in hashes_by_hasher:
+                    hashes_by_hasher[key] = self.block_hashes(upstream.url, token_ids)
+                index = self.indexes.get(upstream.url)
+                hit = index.prefix_blocks(hashes_by_hasher[key]) * hasher.block_size if index else 0
+            cost = (len(token_ids or ()) - hit) + self.load_weight * upstream.in_flight
+            if best_cost is None or cost < best_cost:
+                best, best_cost, best_hit = upstream, cost, hit
+        if best is not None and best.url in self.indexes:
+            index = self.indexes[best.url]
+            index.routed += 1
+            index.prompt_tokens += len(token_ids or ())
+            index.predicted_hits += best_hit
+        return best, best_hit
+
+    def status(self) -> list[dict]:
+        return [{"url": i.url, "index_blocks": len(i.hashes), "last_seq": i.last_seq, "resyncs": i.resyncs,
+                 "routed": i.routed, "predicted_hit_rate": round(i.predicted_hits / i.prompt_tokens, 4)
+                 if i.prompt_tokens else None} for i in self.indexes.values()]
+
+    def stop(self) -> None:
+        for subscriber in self.subscribers:
+            subscriber.stop()

@@ -1,0 +1,143 @@
+"""KV-aware routing (entrypoints/kv_router.py): the index follows an instance's KV events,
+fills gaps from the replay socket and starts over after a restart; `engine proxy --routing
+kv-aware` over plain replicas sends a conversation back to the instance that holds it, with the
+outputs a single instance gives, and moves on when an instance dies."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher, KVEventsConfig
+from entrypoints.kv_router import EventSubscriber, InstanceIndex
+from tests.disagg_utils import ProxyProcess
+from tests.server_utils import ServerProcess, free_port, wait_for
+
+ENGINE_ARGS = ("--num-blocks", "128", "--max-model-len", "1024")
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _stored(*hashes: bytes) -> BlockStored:
+    return BlockStored(list(hashes), None, [], 16, None, None)
+
+
+def _publisher() -> tuple[KVEventPublisher, KVEventsConfig]:
+    config = KVEventsConfig(True, endpoint=f"tcp://127.0.0.1:{free_port()}",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}", buffer_steps=4)
+    return KVEventPublisher(config), config
+
+
+def test_index_catches_up_from_the_replay_and_fills_gaps():
+    publisher, config = _publisher()
+    try:
+        publisher.publish([_stored(b"a"), _stored(b"b")])  # before anyone listens
+        time.sleep(0.2)
+        index = InstanceIndex("x")
+        subscriber = EventSubscriber(index, config.endpoint, config.replay_endpoint, config.topic)
+        subscriber.start()
+        wait_for(lambda: index.hashes == {b"a", b"b"}, timeout=10, state=lambda: index)
+        assert index.last_seq == 1  # seq 0 is the start-up AllBlocksCleared
+        publisher.publish([BlockRemoved([b"a"], None)])
+        wait_for(lambda: index.hashes == {b"b"}, timeout=10, state=lambda: index)
+        # A gap: the subscriber asks the replay socket for what it missed.
+        index.last_seq -= 1  # as if batch 2 had been lost
+        index.hashes.add(b"a")
+        publisher.publish([_stored(b"c")])
+        wait_for(lambda: index.hashes == {b"b", b"c"}, timeout=10, state=lambda: index)
+        assert index.resyncs == 0
+        # A gap the replay buffer (4 batches) no longer covers: start over from what it has.
+        for name in (b"d", b"e", b"f", b"g"):
+            publisher.publish([_stored(name)])
+        wait_for(lambda: b"g" in index.hashes, timeout=10, state=lambda: index)
+        index.last_seq = 0  # as if batches 1-7 had been lost
+        publisher.publish([_stored(b"h")])
+        wait_for(lambda: b"h" in index.hashes, timeout=10, state=lambda: index)
+        assert index.resyncs == 1 and index.hashes == {b"e", b"f", b"g", b"h"}
+        # A restart: numbering starts again with AllBlocksCleared.
+        subscriber.stop()
+        subscriber.join(5)
+    finally:
+        publisher.shutdown()
+    index.apply(0, type("B", (), {"events": [AllBlocksCleared()]})())
+    assert index.hashes == set()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama):
+    servers = []
+    for _ in range(2):
+        events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                  "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+        servers.append(ServerProcess(str(tiny_llama), *ENGINE_ARGS, "--kv-events-config", json.dumps(events),
+                                     wait=False))
+    for server in servers:
+        server.wait_ready()
+    yield servers
+    for server in servers:
+        if server.proc.poll() is None:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(replicas):
+    proxy = ProxyProcess([], [], *[a for s in replicas for a in ("--instance", s.url)], "--routing", "kv-aware")
+    wait_for(lambda: all(i["last_seq"] >= 0 for i in _routing(proxy).values()), timeout=20,
+             state=lambda: _routing(proxy))
+    yield proxy
+    proxy.stop()
+
+
+def _routing(proxy: ProxyProcess) -> dict[str, dict]:
+    return {i["url"]: i for i in httpx.get(f"{proxy.url}/status", timeout=5).json()["kv_routing"]}
+
+
+def _home(replicas: list[ServerProcess]) -> ServerProcess:
+    return max(replicas, key=lambda s: s.status()["kv_blocks"]["cached"])
+
+
+def test_a_conversation_keeps_landing_where_its_kv_is(replicas, proxy, tiny_llama):
+    reference = ServerProcess(str(tiny_llama), *ENGINE_ARGS)
+    try:
+        history: list[dict] = []
+        homes = []
+        for turn in range(4):
+            history.append({"role": "user", "content": f"turn {turn}: " + "tell me more " * 20})
+            body = {"messages": history, **GREEDY}
+            answer = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            expected = httpx.post(f"{reference.url}/v1/chat/completions", json=body, timeout=60).json()
+            assert answer.json()["choices"][0]["message"] == expected["choices"][0]["message"]
+            history.append(answer.json()["choices"][0]["message"])
+            homes.append(_home(replicas).url)
+            wait_for(lambda: sum(i["index_blocks"] for i in _routing(proxy).values()) > 0, timeout=10)
+        routing = _routing(proxy)
+        assert len(set(homes)) == 1, homes  # every turn on the instance that held the history
+        home = routing[homes[0]]
+        # Turns 2-4 found most of their prompt (the history) in the index.
+        assert home["routed"] == 4 and home["predicted_hit_rate"] > 0.5, routing
+    finally:
+        reference.stop()
+
+
+def test_a_restarted_instance_starts_with_an_empty_index(replicas, proxy):
+    body = {"prompt": list(range(300, 400)), **GREEDY}
+    assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60).status_code == 200
+    home = _home(replicas)
+    wait_for(lambda: _routing(proxy)[home.url]["index_blocks"] >= 6, timeout=10, state=lambda: _routing(proxy))
+    home.stop()
+    restarted = ServerProcess(*home.args, port=home.port)
+    replicas[replicas.index(home)] = restarted
+    wait_for(lambda: _routing(proxy)[home.url]["index_blocks"] == 0, timeout=20, state=lambda: _routing(proxy))
+    assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_dead_instance_is_skipped_before_anything_was_sent(replicas, proxy):
+    body = {"prompt": list(range(500, 600)), **GREEDY}
+    first = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+    assert first.status_code == 200
+    home = _home(replicas)
+    home.kill()  # the one holding the prompt: the proxy's first choice
+    again = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
