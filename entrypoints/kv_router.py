@@ -138,16 +138,19 @@ class EventSubscriber(threading.Thread):
                     continue
                 last = self.index.last_seq
                 if seq <= last and not _starts_over(batch):
-                    if seq < last:  # numbering went back without a clear: a restart we missed
-                        self.index.reset()
+                    # Already applied (a replay overlapping the subscription). A restart shows as
+                    # a dropped connection, followed by a replay from 0 (above).
+                    continue
+                if seq > last + 1 and last >= 0:
+                    if replay:
+                        self._replay(last + 1, until=seq)
                     else:
-                        continue  # a duplicate
-                elif seq > last + 1 and last >= 0 and replay:
-                    self._replay(last + 1, until=seq)
+                        self.index.reset()  # a gap nothing can fill
                 self.index.apply(seq, batch)
-        except zmq.ZMQError as exc:
+        except Exception as exc:  # the index would go stale: it is dropped instead
             if not self._stop_event.is_set():
-                logger.warning("KV events of %s: %s", self.index.url, exc)
+                logger.warning("KV events of %s stopped (%s): its index is dropped", self.index.url, exc)
+            self.index.reset()
         finally:
             self.ctx.destroy(linger=0)
 
@@ -155,24 +158,29 @@ class EventSubscriber(threading.Thread):
         """Apply the buffered batches from ``first`` (up to ``until``). When the instance no
         longer has ``first``, its index starts over with what it still has."""
         replay = self.replay
-        replay.send_multipart([b"", first.to_bytes(8, "big")])
-        started = False
+        # The publisher stops at ``until`` (its 8 extra bytes; a vLLM publisher ignores them).
+        request = first.to_bytes(8, "big") + (until.to_bytes(8, "big") if until is not None else b"")
+        replay.send_multipart([b"", request])
+        expected, received = first, False
         while replay.poll(REPLAY_TIMEOUT_MS):
             frames = replay.recv_multipart()
             if len(frames) != 3 or frames[1] == END_OF_REPLAY:
                 return
             seq = int.from_bytes(frames[1], "big")
-            if not started:
-                started = True
-                if seq > first and first > 0:
-                    self.index.reset()  # missed more than the buffer holds
             if until is not None and seq >= until:
                 continue
+            if seq != expected and (received or first > 0):
+                # Missed more than the buffer holds, or a hole in the replay itself: what we
+                # know of this instance is incomplete, so start over from here. (A replay from
+                # 0 may start later: the buffer's oldest batch.)
+                self.index.reset()
+            expected, received = seq + 1, True
             try:
                 self.index.apply(seq, self.decoder.decode(frames[2]))
             except msgspec.DecodeError:
-                continue
-        logger.warning("KV events of %s: no answer from the replay socket", self.index.url)
+                self.index.reset()
+        logger.warning("KV events of %s: no complete answer from the replay socket", self.index.url)
+        self.index.reset()
         # A late answer must not be read as the answer to the next request: a new socket.
         replay.close(linger=0)
         self.replay = self._socket(zmq.DEALER, self.replay_endpoint)
@@ -191,10 +199,18 @@ def connectable(endpoint: str, instance_url: str) -> str:
     if not endpoint.startswith("tcp://"):
         return endpoint
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    if host.strip("[]") in ("*", "0.0.0.0", "::", ""):
+    bare = host.strip("[]")
+    # A wildcard, or loopback on an instance that is not on this host: the instance's own host.
+    if bare in ("*", "0.0.0.0", "::", "") or bare in ("127.0.0.1", "localhost", "::1"):
         host = urlsplit(instance_url).hostname or "127.0.0.1"
         host = f"[{host}]" if ":" in host else host
     return f"tcp://{host}:{port}"
+
+
+@dataclass
+class PromptBlocks:
+    num_tokens: int
+    by_root: dict[tuple[int, bytes], list[bytes]]
 
 
 class KVRouter:
@@ -219,35 +235,38 @@ class KVRouter:
         subscriber.start()
         self.subscribers.append(subscriber)
 
-    def block_hashes(self, url: str, token_ids: list[int]) -> list[bytes]:
-        hasher = self.hashers.get(url)
-        if hasher is None:
-            return []
-        return Request("route", token_ids, SamplingParams(), frozenset(), 1, hasher).block_hashes
+    def prompt_blocks(self, token_ids: list[int]) -> "PromptBlocks":
+        """The prompt's block hashes under every root the instances use (one per model
+        fingerprint and block size). CPU work: callers run it off the event loop."""
+        by_root: dict[tuple[int, bytes], list[bytes]] = {}
+        for hasher in self.hashers.values():
+            key = (hasher.block_size, hasher.root_hash)
+            if key not in by_root:
+                by_root[key] = Request("route", token_ids, SamplingParams(), frozenset(), 1, hasher).block_hashes
+        return PromptBlocks(len(token_ids), by_root)
 
-    def choose(self, candidates: list, token_ids: list[int] | None):
+    def choose(self, candidates: list, prompt: "PromptBlocks | None"):
         """(the upstream with the lowest cost, predicted cached tokens there). ``candidates``
         have ``url`` and ``in_flight``, in tie-breaking order."""
         best, best_cost, best_hit = None, None, 0
-        hashes_by_hasher: dict[int, list[bytes]] = {}
         for upstream in candidates:
             hit = 0
-            hasher = self.hashers.get(upstream.url)
-            if token_ids and hasher is not None:
-                key = id(hasher)
-                if key not in hashes_by_hasher:
-                    hashes_by_hasher[key] = self.block_hashes(upstream.url, token_ids)
-                index = self.indexes.get(upstream.url)
-                hit = index.prefix_blocks(hashes_by_hasher[key]) * hasher.block_size if index else 0
-            cost = (len(token_ids or ()) - hit) + self.load_weight * upstream.in_flight
+            hasher, index = self.hashers.get(upstream.url), self.indexes.get(upstream.url)
+            if prompt is not None and hasher is not None and index is not None:
+                hashes = prompt.by_root.get((hasher.block_size, hasher.root_hash), [])
+                hit = index.prefix_blocks(hashes) * hasher.block_size
+            cost = ((prompt.num_tokens if prompt else 0) - hit) + self.load_weight * upstream.in_flight
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = upstream, cost, hit
-        if best is not None and best.url in self.indexes:
-            index = self.indexes[best.url]
-            index.routed += 1
-            index.prompt_tokens += len(token_ids or ())
-            index.predicted_hits += best_hit
         return best, best_hit
+
+    def count(self, url: str, prompt: "PromptBlocks | None", hit: int) -> None:
+        """One routed request (counted once, whatever was tried before)."""
+        index = self.indexes.get(url)
+        if index is not None:
+            index.routed += 1
+            index.prompt_tokens += prompt.num_tokens if prompt else 0
+            index.predicted_hits += hit
 
     def status(self) -> list[dict]:
         return [{"url": i.url, "index_blocks": len(i.hashes), "last_seq": i.last_seq, "resyncs": i.resyncs,

@@ -27,7 +27,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Until GET url/health answers 200; raises when ``proc`` exits first or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -86,11 +87,11 @@ def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], 
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(d_port), "--role", "decode",
                                        "--cpu-cores", d_cores, *borrow, *engine_args], env=env))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-        _wait_healthy(p_url, procs[0])
-        _wait_healthy(d_url, procs[1])
+        wait_healthy(p_url, procs[0])
+        wait_healthy(d_url, procs[1])
         procs.append(subprocess.Popen([*engine, "proxy", "--host", host, "--port", str(port),
                                        "--prefill", p_url, "--decode", d_url, *proxy_args], env=env))
-        _wait_healthy(f"http://{host}:{port}", procs[2], timeout=60)
+        wait_healthy(f"http://{host}:{port}", procs[2], timeout=60)
         print(f"""
 prefill {p_url} (KV on port {kv_port}) -> decode {d_url}, proxy on http://{host}:{port}
 try:

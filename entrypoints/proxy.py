@@ -21,8 +21,8 @@ The remote path:
    gets the original request plus those params: it pulls the KV into its own cache, continues
    from the first tokens, and its answer (whole, or the rest of the stream) is passed through.
 
-Outputs are the same on either path (greedy or seeded): both run the same model on the same
-tokens. Every upstream call has a deadline; upstream errors reach the client as OpenAI error
+Either path runs the same model on the same tokens (greedy and seeded outputs agree up to the
+float rounding that another engine's batch or thread count brings). Every upstream call has a deadline; upstream errors reach the client as OpenAI error
 bodies (never an empty 200); a client that disconnects closes the upstream connection, which
 aborts the request there. The same request id travels to P and D (X-Request-Id).
 """
@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from entrypoints.kv_router import KVRouter
+from entrypoints.kv_router import KVRouter, PromptBlocks
 from entrypoints.protocol import (
     FIRST_TOKENS_SHOWN,
     BodyError,
@@ -121,18 +121,19 @@ class Proxy:
         rotated = pool[start:] + pool[:start]
         return rotated if self.policy == "round-robin" else sorted(rotated, key=lambda u: u.in_flight)
 
-    def pick(self, pool: list[Upstream], tokens: list[int] | None) -> Upstream:
+    def pick(self, pool: list[Upstream], prompt: PromptBlocks | None) -> Upstream:
         """Where to serve: with kv-aware routing the instance holding most of the prompt,
         traded against load (entrypoints/kv_router.py); else the first of ``ordered``."""
         if self.router is None:
             return self.ordered(pool)[0]
-        upstream, _ = self.router.choose(self.ordered(pool), tokens)
+        upstream, hit = self.router.choose(self.ordered(pool), prompt)
+        self.router.count(upstream.url, prompt, hit)
         return upstream
 
-    async def tokens_of(self, path: str, body: dict, headers: dict) -> list[int] | None:
-        """The engine's token ids of a request (for kv-aware routing): asked of an instance,
-        since only the engine knows its chat template. None when that fails (several prompts,
-        an instance down): the request is then routed by load."""
+    async def prompt_of(self, path: str, body: dict, headers: dict) -> PromptBlocks | None:
+        """The block hashes of a request's prompt (for kv-aware routing), from the engine's
+        token ids: asked of an instance, since only the engine knows its chat template. None
+        when that fails (several prompts, too long, an instance down): routed by load then."""
         if self.router is None:
             return None
         probe = {k: body[k] for k in ("model", "prompt", "messages", "chat_template", "add_generation_prompt")
@@ -142,10 +143,16 @@ class Proxy:
                 resp = await self.http.post(f"{upstream.url}/tokenize", json=probe, headers=headers, timeout=10)
             except httpx.HTTPError:
                 continue
-            if resp.status_code == 200:
-                tokens = resp.json().get("tokens")
-                return tokens if isinstance(tokens, list) else None
-            return None
+            if resp.status_code != 200:
+                return None
+            try:
+                answer = resp.json()
+                tokens, max_len = answer["tokens"], int(answer["max_model_len"])
+            except (ValueError, KeyError, TypeError):
+                return None
+            if not isinstance(tokens, list) or len(tokens) > max_len:
+                return None  # the engine refuses it anyway: do not hash it
+            return await asyncio.to_thread(self.router.prompt_blocks, tokens)
         return None
 
     async def watch_instances(self) -> None:
@@ -157,9 +164,10 @@ class Proxy:
                 try:
                     resp = await self.http.get(f"{url}/status", timeout=5)
                     info = resp.json().get("kv_events") if resp.status_code == 200 else None
-                except (httpx.HTTPError, ValueError):
+                    self.router.watch(url, info)
+                except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                    logger.warning("cannot follow the KV events of %s yet: %s", url, exc)
                     continue
-                self.router.watch(url, info)
                 pending.discard(url)
             if pending:
                 await asyncio.sleep(2)
@@ -216,20 +224,21 @@ class Proxy:
         body["request_id"] = request_id
         body.pop("kv_transfer_params", None)  # the proxy's to set, never a client's
         headers = self._headers(raw, request_id)
-        tokens = await self.tokens_of(path, body, headers)
+        prompt = await self.prompt_of(path, body, headers)
         if not self.prefills:  # plain replicas
-            return await self._serve_locally(raw, path, body, headers, tokens)
+            return await self._local_or_502(raw, path, body, headers, prompt)
         reason = "always"
         if self.disagg.conditional:
             limit = {"max_local_prefill_tokens": self.disagg.max_local_prefill_tokens}
-            answer = await self._serve_locally(raw, path, {**body, "kv_transfer_params": limit}, headers, tokens)
+            answer = await self._serve_locally(raw, path, {**body, "kv_transfer_params": limit}, headers, prompt)
             if answer is not None:
-                self._decided("local", "short_prompt", request_id)
+                if answer.status_code == 200:
+                    self._decided("local", "short_prompt", request_id)
                 return answer
             # Declined (nothing was queued there): a long prompt.
             if min(u.in_flight for u in self.prefills) >= self.disagg.max_prefill_queue:
                 self._decided("local", "prefill_busy", request_id)
-                return await self._serve_locally(raw, path, body, headers, tokens)
+                return await self._local_or_502(raw, path, body, headers, prompt)
             reason = "long_prompt"
         started = time.monotonic()
         answer = await _until_disconnect(raw, self.prefill(path, body, headers))
@@ -237,7 +246,7 @@ class Proxy:
             if not self.disagg.conditional:
                 return error_response(502, "prefill unreachable: " + ", ".join(u.url for u in self.prefills))
             self._decided("local", "prefill_unreachable", request_id)
-            return await self._serve_locally(raw, path, body, headers, tokens)
+            return await self._local_or_502(raw, path, body, headers, prompt)
         if isinstance(answer, Response):
             return answer
         self._decided("remote", reason, request_id)
@@ -252,7 +261,7 @@ class Proxy:
                                          headers={"X-Request-Id": request_id})
             return JSONResponse(answer, headers={"X-Request-Id": request_id})
         d_body = {**body, "kv_transfer_params": params}
-        upstream = self.pick(self.decodes, tokens)
+        upstream = self.pick(self.decodes, prompt)
         if body.get("stream"):
             # The client has the first tokens: D's stream goes on after them.
             headers = {**headers, FIRST_TOKENS_SHOWN: "1"}
@@ -260,15 +269,21 @@ class Proxy:
         answer = await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
         return answer.response if isinstance(answer, _Unreachable) else answer
 
+    async def _local_or_502(self, raw: Request, path: str, body: dict, headers: dict,
+                            prompt: PromptBlocks | None) -> Response:
+        """Served locally without a limit: a decline here would be a broken instance."""
+        answer = await self._serve_locally(raw, path, body, headers, prompt)
+        return answer if answer is not None else error_response(502, "the decode instance declined the request")
+
     async def _serve_locally(self, raw: Request, path: str, body: dict, headers: dict,
-                             tokens: list[int] | None) -> Response | None:
+                             prompt: PromptBlocks | None) -> Response | None:
         """The whole request on a decode instance (or replica), which prefills it itself. None:
         it declined (the body carried max_local_prefill_tokens and more of the prompt is
         uncached there). An instance that cannot be reached is replaced by the next best one
         (nothing was sent to the client yet)."""
         candidates = self.decodes
         while True:
-            upstream = self.pick(candidates, tokens)
+            upstream = self.pick(candidates, prompt)
             answer = await self._serve_on(upstream, raw, path, body, headers)
             unreachable = isinstance(answer, _Unreachable)
             if not unreachable:
@@ -278,9 +293,20 @@ class Proxy:
                 return answer.response
 
     async def _serve_on(self, upstream: Upstream, raw: Request, path: str, body: dict,
-                        headers: dict) -> Response | None:
+                        headers: dict) -> Response | _Unreachable | None:
         if not body.get("stream"):
             return await _until_disconnect(raw, self._decode(upstream, path, body, headers))
+        opened = await self._open_stream(upstream, path, body, headers)
+        if not isinstance(opened, _OpenStream):
+            return opened
+        return _RelayResponse(opened, self._relay(opened), media_type="text/event-stream",
+                              headers={"X-Request-Id": headers["X-Request-Id"]})
+
+    async def _open_stream(self, upstream: Upstream, path: str, body: dict,
+                           headers: dict) -> _OpenStream | JSONResponse | _Unreachable | None:
+        """A decode instance's streaming answer, open and counted in ``in_flight`` until its
+        ``close()``; else what went wrong, counted back: an error, _Unreachable when the
+        connection was refused, None when it declined to prefill the prompt."""
         upstream.in_flight += 1
         try:
             resp = await self.http.send(self.http.build_request(
@@ -288,16 +314,18 @@ class Proxy:
         except httpx.HTTPError as exc:
             upstream.in_flight -= 1
             error = self._upstream_error("decode", upstream, exc)
-            return _Unreachable(error) if isinstance(exc, httpx.ConnectError) else error
+            return _Unreachable(error) if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else error
+        except BaseException:  # the client left while we waited (cancelled)
+            upstream.in_flight -= 1
+            raise
+        opened = _OpenStream(upstream, resp)
         if resp.status_code != 200:
             try:
                 await resp.aread()
             finally:
-                await resp.aclose()
-                upstream.in_flight -= 1
+                await opened.close()
             return None if _declined(resp) else _passthrough_error(resp)
-        return StreamingResponse(self._relay(upstream, resp), media_type="text/event-stream",
-                                 headers={"X-Request-Id": headers["X-Request-Id"]})
+        return opened
 
     async def _decode(self, upstream: Upstream, path: str, body: dict, headers: dict) -> Response | None:
         upstream.in_flight += 1
@@ -305,7 +333,7 @@ class Proxy:
             resp = await self.http.post(f"{upstream.url}{path}", json=body, headers=headers)
         except httpx.HTTPError as exc:
             error = self._upstream_error("decode", upstream, exc)
-            return _Unreachable(error) if isinstance(exc, httpx.ConnectError) else error
+            return _Unreachable(error) if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else error
         finally:
             upstream.in_flight -= 1
         if resp.status_code != 200:
@@ -313,8 +341,9 @@ class Proxy:
         return Response(resp.content, status_code=200, media_type="application/json",
                         headers={"X-Request-Id": headers["X-Request-Id"]})
 
-    async def _relay(self, upstream: Upstream, resp: httpx.Response, skip_role: bool = False):
-        """D's open stream, event by event; the caller counted it in upstream.in_flight."""
+    async def _relay(self, opened: _OpenStream, skip_role: bool = False):
+        """D's open stream, event by event; closed at the end (also when the client leaves)."""
+        upstream, resp = opened.upstream, opened.resp
         try:
             events = _sse_events(resp.aiter_raw())
             if skip_role:  # the client had the role chunk already
@@ -327,8 +356,7 @@ class Proxy:
             yield sse(err) + sse("[DONE]")
         finally:
             # Also runs when the client disconnects: closing aborts the request on D.
-            await resp.aclose()
-            upstream.in_flight -= 1
+            await opened.close()
 
     async def _stream_decode(self, upstream: Upstream, path: str, body: dict, headers: dict,
                              request_id: str, first: "FirstTokens") -> Response:
@@ -337,24 +365,16 @@ class Proxy:
             if first.chat:
                 yield first.role_chunk()
             yield first.continuing_chunk()
-            upstream.in_flight += 1
+            opened = await self._open_stream(upstream, path, body, headers)
+            if not isinstance(opened, _OpenStream):
+                error = opened.response if isinstance(opened, _Unreachable) else opened
+                yield _error_event(error or error_response(502, f"decode {upstream.url} declined the request"))
+                return
             try:
-                resp = await self.http.send(self.http.build_request(
-                    "POST", f"{upstream.url}{path}", json=body, headers=headers), stream=True)
-            except httpx.HTTPError as exc:
-                upstream.in_flight -= 1
-                yield _error_event(self._upstream_error("decode", upstream, exc))
-                return
-            if resp.status_code != 200:
-                try:
-                    await resp.aread()
-                finally:
-                    await resp.aclose()
-                    upstream.in_flight -= 1
-                yield _error_event(_passthrough_error(resp))
-                return
-            async for event in self._relay(upstream, resp, skip_role=first.chat):
-                yield event
+                async for event in self._relay(opened, skip_role=first.chat):
+                    yield event
+            finally:
+                await opened.close()
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 
@@ -426,6 +446,35 @@ async def _sse_events(raw):
             yield event + b"\n\n"
     if buffer:
         yield buffer
+
+
+class _OpenStream:
+    """An upstream streaming answer counted in its upstream's ``in_flight``: ``close()`` (any
+    number of times, from whichever path ends it) closes it and counts it back once."""
+
+    def __init__(self, upstream: Upstream, resp: httpx.Response) -> None:
+        self.upstream, self.resp, self.closed = upstream, resp, False
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.upstream.in_flight -= 1
+            await self.resp.aclose()
+
+
+class _RelayResponse(StreamingResponse):
+    """Closes its upstream stream even when the client left before the body started (then the
+    body iterator, which would close it, never runs)."""
+
+    def __init__(self, opened: _OpenStream, content, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.opened = opened
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.opened.close()
 
 
 @dataclass

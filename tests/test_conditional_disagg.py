@@ -18,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.errors import PrefillElsewhere
 from tests.disagg_utils import Disagg, ProxyProcess
-from tests.server_utils import REPO, free_port
+from tests.server_utils import REPO, free_port, wait_for
 
 ENGINE_ARGS = ("--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny")
 LIMIT = 48  # uncached prompt tokens a decode instance prefills itself
@@ -164,3 +164,20 @@ def test_clients_cannot_set_kv_transfer_params_through_the_proxy(cluster):
     text = _complete(cluster.url, short, kv_transfer_params={"max_local_prefill_tokens": 0})
     assert text == _complete(cluster.prefill.url, short)
     assert _changed(before, _decisions(cluster.url)) == {("local", "short_prompt"): 1}
+
+
+def test_in_flight_counts_return_to_zero_however_a_request_ends(cluster):
+    """Leaving mid-stream (on the local and the remote path), a refused request, a declined one:
+    the proxy's count of open requests per instance (what routing weighs) goes back to 0."""
+    short, long = _prompt(20, 9), _prompt(200, 10)
+    for prompt in (short, long):
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60,
+                          json={"prompt": prompt, "stream": True, "max_tokens": 200, "ignore_eos": True}) as resp:
+            next(resp.iter_lines())  # one event, then hang up
+    bad = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": short, "max_tokens": -1}, timeout=30)
+    assert bad.status_code == 400
+
+    def open_counts():
+        status = httpx.get(f"{cluster.url}/status", timeout=5).json()
+        return [u["in_flight"] for u in status["prefill"] + status["decode"]]
+    wait_for(lambda: open_counts() == [0, 0], timeout=30, state=open_counts)

@@ -99,28 +99,40 @@ def test_a_pinned_server_runs_every_engine_thread_on_its_core(tiny_llama):
 def test_lender_and_borrower_agree_through_the_file(tmp_path, monkeypatch):
     placed = []
     monkeypatch.setattr(core_lending, "apply_placement", lambda cores, threads, quiet: placed.append(cores))
+    cores = available_cores()
+    assert len(cores) >= 2, "core lending needs two cores to show anything"
+    own, lent = [cores[-1]], cores[:-1]
     board = str(tmp_path / "board")
-    borrower = CoreBorrower(board, [1])
+    borrower = CoreBorrower(board, own)
     borrower.before_step(True)  # no lender yet: stays on its own cores
     assert placed == []
-    lender = CoreLender(board, [0, 2])
+    lender = CoreLender(board, lent)
     borrower.before_step(True)  # lender idle: borrow its cores
-    assert placed == [[0, 1, 2]]
+    assert placed == [cores]
     borrower.before_step(False)  # nothing to compute: nothing checked or changed
     lender.before_step(True)
     borrower.before_step(True)  # lender busy: give them back
-    assert placed == [[0, 1, 2], [1]]
+    assert placed == [cores, own]
     borrower.before_step(True)  # unchanged: no new placement
     assert len(placed) == 2
     lender.before_step(False)
     borrower.before_step(True)
-    assert placed[-1] == [0, 1, 2]
+    assert placed[-1] == cores
     for junk in (b"x" * 64, b"0 0-99999999", b"\xff\xfe", b""):  # unreadable: own cores only
         with open(board, "wb") as f:
             f.write(junk)
         borrower.before_step(True)
-        assert placed[-1] == [1]
+        assert placed[-1] == own
+    with open(board, "wb") as f:  # cores nobody here may use are never taken
+        f.write(b"0 0-65535")
+    borrower.before_step(True)
+    assert placed[-1] == cores
     lender.close()
+    os.remove(board)
+    os.mkfifo(board)  # a FIFO in its place must not hang the engine
+    borrower.before_step(True)
+    assert placed[-1] == own
+    assert core_lending.core_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
 def test_a_borrowing_decode_instance_runs_on_the_lenders_cores_only_while_it_idles(tiny_llama, tmp_path):
