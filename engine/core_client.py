@@ -19,13 +19,19 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core import run_engine_core
 from engine.ipc import (AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats, FromCore, Outputs,
                         RequestDelta, Shutdown)
 from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine.client")
+
+
+def _run_engine_core(*args) -> None:
+    # The engine-core process's entry point. engine.core (torch, the model code) is imported
+    # there only: the server process needs none of it.
+    from engine.core import run_engine_core
+    run_engine_core(*args)
 
 
 class EngineRequestError(Exception):
@@ -70,7 +76,7 @@ class AsyncEngineClient:
         self._push.bind(input_addr)
         self._pull.bind(output_addr)
         self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="engine-core", daemon=True,
+            target=_run_engine_core, name="engine-core", daemon=True,
             args=(self.config, input_addr, output_addr, self.max_queue_len, os.getpid(), logging.getLogger().level))
         self._process.start()
         deadline = time.monotonic() + timeout

@@ -163,16 +163,22 @@ def cmd_secret(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_server_side(model_dir: str):
+    """What only the API process needs: the web stack and the tokenizer (which imports
+    transformers and, through it, torch). Seconds, spent while the engine core starts."""
+    import uvicorn  # noqa: F401
+    from transformers import AutoTokenizer
+
+    import entrypoints.api_server  # noqa: F401
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-
-    import uvicorn
-    from transformers import AutoTokenizer
 
     from engine.config import EngineConfig
     from engine.core_client import AsyncEngineClient
     from engine.worker.loader import resolve_model
-    from entrypoints.api_server import OpenAIServer, build_app
 
     model_dir = resolve_model(args.model_path or args.model)
     served = args.served_model_name or [args.model_path or args.model or "SmolLM2-135M-Instruct"]
@@ -184,8 +190,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         client = AsyncEngineClient(config, args.max_queue_len)
-        await client.start()
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        loading = asyncio.get_running_loop().run_in_executor(None, _load_server_side, str(model_dir))
+        try:
+            await client.start()
+        except BaseException:
+            loading.cancel()  # the core's error is the one to report
+            raise
+        tokenizer = await loading
+
+        import uvicorn
+
+        from entrypoints.api_server import OpenAIServer, build_app
+
         app = build_app(OpenAIServer(client, tokenizer, served, api_key,
                                      trust_request_chat_template=args.trust_request_chat_template))
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

@@ -30,15 +30,18 @@ def _free_port() -> int:
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     """Until GET url/health answers 200; raises when ``proc`` exits first or time runs out."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    # One client for all the polls: httpx.get would build one (and an SSL context) every time,
+    # ~40 ms of CPU taken from the processes starting up.
+    with httpx.Client(timeout=1) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url} exited with code {proc.returncode}")
+            try:
+                if http.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
 
 

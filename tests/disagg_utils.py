@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from engine.kv_transfer.secret import ENV_VAR, new_secret
-from tests.server_utils import REPO, ServerProcess, free_port
+from tests.server_utils import HTTP, REPO, ServerProcess, free_port
 
 
 class ProxyProcess:
@@ -34,12 +34,12 @@ class ProxyProcess:
         deadline = time.monotonic() + 60
         while True:
             try:
-                httpx.get(f"{self.url}/health", timeout=2)
+                HTTP.get(f"{self.url}/health", timeout=2)
                 break
             except httpx.HTTPError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise RuntimeError(f"proxy did not start:\n{self.log_path.read_text()[-3000:]}")
-                time.sleep(0.2)
+                time.sleep(0.05)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -18,8 +18,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where weights are read: finding a model needs none of it
+    import torch
 
 logger = logging.getLogger("engine.loader")
 
@@ -119,6 +121,7 @@ def load_generation_config(model_dir: Path) -> dict:
 
 def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, CPU tensor) pairs from the directory's weight files."""
+    import torch
     from safetensors import safe_open
 
     for file in _weight_files(Path(model_dir)):
@@ -223,6 +226,7 @@ def _converted_gguf(gguf_path: Path) -> Path:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, key: str) -> None:
     import gguf
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 

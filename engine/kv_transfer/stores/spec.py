@@ -10,7 +10,6 @@ from engine.kv_transfer.stores.base import (
 )
 from engine.kv_transfer.stores.cpu import CPUStore
 from engine.kv_transfer.stores.disk import DiskStore
-from engine.kv_transfer.stores.redis import RedisStore
 
 
 def parse_store_spec(spec: str, fmt: ChunkFormat, redis_ttl_s: int = DEFAULT_REDIS_TTL_S,
@@ -21,6 +20,7 @@ def parse_store_spec(spec: str, fmt: ChunkFormat, redis_ttl_s: int = DEFAULT_RED
     makers: dict[str, functools.partial[KVStore]] = {}  # tier name -> its constructor, in lookup order
     for part in split_store_spec(spec):
         if part.startswith(REDIS_SCHEMES):
+            from engine.kv_transfer.stores.redis import RedisStore  # redis-py: ~0.2 s, imported only when used
             name, maker = "redis", functools.partial(RedisStore, part, fmt, ttl_s=redis_ttl_s, secret=secret)
         elif part.startswith("cpu:"):
             name, maker = "cpu", functools.partial(CPUStore, parse_size(part[4:]), fmt)

@@ -168,13 +168,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built on the meta device and then loaded (ModelRunner), so nothing here computes: on
+        # meta tensors torch runs its Python reference kernels, whose first call imports
+        # torch._dynamo (seconds). Hence no random init of the embedding, and the rope tables
+        # come from init_rope_tables(device), called once the model has left the meta device.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.init_rope_tables()
 
     def init_rope_tables(self, device: torch.device | None = None) -> None:
         """cos/sin for every position, kept in float32 like the reference implementation."""
