@@ -27,10 +27,12 @@ setup(
         "httpx",
         "redis>=5",
         "hiredis",  # redis-py's C reply parser: large KV values parse without holding the GIL for long
+        # Structured output (JSON schema, regex, choice, grammar): a 3 MB wheel, no torch or triton pin.
+        "llguidance>=1.0,<2",
     ],
     extras_require={
         "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib", "hypothesis>=6.170,<7",
-                 "schemathesis==4.32.5"],
+                 "schemathesis==4.32.5", "jsonschema>=4"],
         "cuda": ["flash-attn", "xformers"],
     },
     entry_points={"console_scripts": ["engine = entrypoints.cli:main"]},

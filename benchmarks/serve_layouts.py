@@ -95,7 +95,8 @@ def run_client(client: str, url: str, model_dir: str, rate: float, num_prompts: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0],
+                        help="request rates of the 128->64 sweep (none: only the mixed workload)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="repeat the rate sweep; the median round is shown")
     parser.add_argument("--mixed-seconds", type=float, default=40.0, help="0 skips the mixed workload")
@@ -118,7 +119,8 @@ def main() -> None:
             layout.wait_ready()
         for layout in layouts:  # warm-up
             run_client("ours", layout.url, model_dir, float("inf"), 4, seed=99)
-        print(f"client: {client}; {args.num_prompts} prompts per rate, random 128->64", flush=True)
+        if args.rates:
+            print(f"client: {client}; {args.num_prompts} prompts per rate, random 128->64", flush=True)
         for r in range(args.rounds):
             for i, rate in enumerate(args.rates):
                 order = layouts if (i + r) % 2 == 0 else layouts[::-1]
@@ -168,7 +170,7 @@ def main() -> None:
     print("\nproxy decisions: " + ", ".join(f"{d['path']}/{d['reason']} {d['count']}"
                                            for d in decisions["decisions"] if d["count"]))
     print("\n".join(["", *verdicts]))
-    if args.plot:
+    if args.plot and args.rates:
         plot(args.plot, args.rates, median_round)
 
 

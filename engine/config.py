@@ -56,12 +56,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # max_model_len is resolved against the model by EngineConfig.
     max_model_len: int = 0
+    # vLLM's: a prefill computes at most this many tokens per step (0: up to the step's budget),
+    # so the decodes sharing its steps keep a short inter-token latency.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        value = self.long_prefill_token_threshold
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"long_prefill_token_threshold must be 0 (off) or a positive integer, got {value!r}")
 
 
 def check_kv_ip(kv_ip: object) -> None:
@@ -115,6 +121,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # see SchedulerConfig
     attention_backend: str = "auto"  # auto | torch | flash_attn | xformers
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (CUDA, no kv_cache_memory)
     kv_transfer_config: KVTransferConfig | None = None
@@ -170,4 +177,5 @@ class EngineConfig:
         elif not isinstance(self.kv_secret, KVSecret):
             self.kv_secret = KVSecret(self.kv_secret)
         self.cache = CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching)
-        self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
+                                         long_prefill_token_threshold=self.long_prefill_token_threshold)

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.cpu_placement import apply_placement
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, PrefillElsewhere
+from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.multi import MultiConnectorScheduler, MultiConnectorWorker
@@ -154,7 +155,9 @@ class LLMEngine:
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector,
+                                   vocab_size=self.vocab_size)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:
             logger.warning("the KV pool holds %d tokens, less than max_model_len=%d: longer requests are "
@@ -277,8 +280,10 @@ class LLMEngine:
                 index, IncrementalDetokenizer(tokenizer, prompt_token_ids, child_params),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
+            grammar = (self.grammar_compiler.request_grammar(params.structured_outputs)
+                       if params.structured_outputs is not None else None)
             request = Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, max_tokens,
-                              self.block_hasher, arrival_time, hands_off=hands_off)
+                              self.block_hasher, arrival_time, hands_off=hands_off, grammar=grammar)
             if first_tokens is not None and self._start_from_first_token(child, request, *first_tokens[index],
                                                                          shown=first_tokens_shown):
                 continue  # its first token ended it
@@ -364,6 +369,7 @@ class LLMEngine:
                 + len(self.kv_cache_manager.req_to_blocks) + scheduler.connector.num_tracked_requests())
 
     def shutdown(self) -> None:
+        self.grammar_compiler.shutdown()
         self.runner.shutdown()
 
     def step(self) -> list[RequestOutput]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +43,10 @@ class SchedulerOutput:
     # Requests whose worker state must be dropped before this step (finished or preempted).
     finished_req_ids: set[str]
     kv_connector_metadata: Any = None
+    # Structured output: the requests that sample this step under a grammar, and one int32
+    # bitmask row each (bit i of a row = token i allowed), in the same order.
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass(slots=True)

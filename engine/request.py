@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +63,7 @@ class Request:
         kv_transfer_params: KVTransferParams | None = None,
         kv_leader: str | None = None,
         hands_off: bool = False,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,6 +77,8 @@ class Request:
         # A prefill instance's request (do_remote_decode): it ends after its first token unless
         # that token ends it anyway, and a decode instance continues it.
         self.hands_off = hands_off
+        # Structured output: every appended token advances it; the scheduler fills its bitmask row.
+        self.grammar = grammar
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -103,6 +109,8 @@ class Request:
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self._block_hasher is not None:
             self._block_hasher(self)
 

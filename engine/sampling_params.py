@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from enum import IntEnum
 
+from engine.structured_output import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_INT = 2**63 - 1  # every int crosses process boundaries as a signed 64-bit msgpack int
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
@@ -70,6 +72,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; 0: only the sampled token's logprob
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output follows a JSON schema, regex, choice or grammar (engine/structured_output.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1)
@@ -124,6 +128,15 @@ class SamplingParams:
             self.logprobs = _check_int("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise ValueError(f"structured_outputs: {exc}") from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
+from engine.grammar import build_bitmask
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import KVConnectorScheduler, NoOpConnectorScheduler
 from engine.kv_transfer.params import KVTransferParams
@@ -40,9 +41,11 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None, vocab_size: int = 0) -> None:
+        self.vocab_size = vocab_size  # the width of structured-output bitmasks
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
         self.connector = connector or NoOpConnectorScheduler()
@@ -122,7 +125,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._newest_parked() or self.running.pop()
@@ -149,6 +152,11 @@ class Scheduler:
                 if budget <= 0:
                     break
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KV or self._follows_a_load(request):
+                    continue
+                if request.grammar is not None and not request.grammar.ready():
+                    continue  # its grammar is still compiling: the requests behind it go first
+                if request.grammar is not None and request.grammar.error is not None:
+                    self._finish_with_error(request, request.grammar.error)
                     continue
                 parked = self._is_parked(request)
                 if not parked and num_holding >= self.max_num_seqs:
@@ -183,7 +191,17 @@ class Scheduler:
         # Advance the counters now so the next step can be planned before results return.
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+        self._add_grammar_bitmask(output)
         return output
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """One bitmask row per request that samples this step under a grammar: its tokens
+        are all computed once the step ran."""
+        sampling = [self.requests[r] for r in output.num_scheduled_tokens]
+        constrained = [r for r in sampling if r.grammar is not None and r.num_computed_tokens == r.num_tokens]
+        if constrained:
+            output.grammar_req_ids = [r.request_id for r in constrained]
+            output.grammar_bitmask = build_bitmask([r.grammar for r in constrained], self.vocab_size)
 
     def _admit(self, request: Request, budget: int, parked: bool) -> tuple[Admission, int]:
         """Allocate a waiting request's blocks: for its prefix hit, for KV the connector can
@@ -202,7 +220,7 @@ class Scheduler:
                 return Admission.ASK_AGAIN, 0
             num_external, load_async = match
         num_computed = num_local + num_external
-        num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+        num_new = 0 if load_async else self._chunk(request.num_tokens - num_computed, budget)
         new_block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_external,
                                                delay_caching=load_async)
         if new_block_ids is None:
@@ -234,6 +252,12 @@ class Scheduler:
         if request.queue_time is None:
             request.queue_time = time.monotonic() - request.arrival_time
         return Admission.SCHEDULED, num_new
+
+    def _chunk(self, num_uncomputed: int, budget: int) -> int:
+        """Tokens to compute this step: all that fit the budget, but a prefill's chunk no more
+        than long_prefill_token_threshold."""
+        limit = self.long_prefill_token_threshold
+        return min(num_uncomputed, budget, limit if limit and num_uncomputed > 1 else num_uncomputed)
 
     def _fail_admission(self, request: Request, exc: Exception) -> Admission:
         logger.exception("request %s: the KV connector failed on it; ending it", request.request_id)

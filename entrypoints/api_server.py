@@ -123,13 +123,23 @@ class OpenAIServer:
                            "model")
         return request
 
-    def _sampling_params(self, request, max_tokens: int | None, logprobs: int | None):
+    async def _sampling_params(self, request, max_tokens: int | None, logprobs: int | None):
+        """The request's SamplingParams; a 400 naming the field for a bad one, including a schema,
+        regex or grammar that does not compile (checked off the event loop)."""
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            params = request.sampling_params(max_tokens, logprobs)
+        except BodyError as exc:
+            raise APIError(exc.status, exc.message, exc.param) from None
         except ValueError as exc:
             message = str(exc)
-            return_param = message.split(" ", 1)[0]
-            raise APIError(400, message, return_param)
+            raise APIError(400, message, message.split(" ", 1)[0]) from None
+        if params.structured_outputs is not None:
+            try:
+                await self._off_loop(params.structured_outputs.check)
+            except ValueError as exc:
+                _, field = request.structured_outputs_params()
+                raise APIError(400, f"{field}: {exc}", field) from None
+        return params
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -197,7 +207,7 @@ class OpenAIServer:
         request: CompletionRequest = await self._parse(raw, CompletionRequest)
         if request.logprobs is not None and request.logprobs > 5:
             raise APIError(400, f"logprobs must be at most 5 for completions, got {request.logprobs}", "logprobs")
-        params = self._sampling_params(request, request.max_tokens, request.logprobs)
+        params = await self._sampling_params(request, request.max_tokens, request.logprobs)
         prompts = await self._off_loop(self._completion_prompts, request.prompt)
         return await self._serve(raw, request, "cmpl", prompts, params, chat=False)
 
@@ -207,7 +217,7 @@ class OpenAIServer:
             raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = self._sampling_params(request, max_tokens, logprobs)
+        params = await self._sampling_params(request, max_tokens, logprobs)
         prompt = await self._off_loop(self._chat_prompt, request)
         return await self._serve(raw, request, "chatcmpl", [prompt], params, chat=True)
 

@@ -17,6 +17,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="max requests per step (default 256)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget per step; longer prompts are prefilled in chunks (default 2048)")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                        help="a prompt is prefilled at most N tokens per step, so the requests decoding beside it "
+                             "keep a short inter-token latency (default 0: up to the step's budget; engine disagg "
+                             "gives it to the decode instance only, default 32 there)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's max_position_embeddings)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -54,6 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                 dtype=args.dtype, device=args.device, seed=args.seed, kv_store=args.kv_store,
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -317,6 +322,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+DISAGG_DECODE_PREFILL_CHUNK = 32
+
+
 def cmd_disagg(args: argparse.Namespace) -> int:
     from entrypoints.launcher import run_disagg
 
@@ -324,6 +332,8 @@ def cmd_disagg(args: argparse.Namespace) -> int:
     engine_args = []
     for key, value in engine_kwargs(args).items():
         flag = "--" + key.replace("_", "-")
+        if key == "long_prefill_token_threshold":
+            continue  # the decode instance's alone (below)
         if key in ("cpu_cores", "num_threads"):
             if value is not None:
                 raise ValueError(f"engine disagg places each instance itself: use --prefill-cores / "
@@ -335,8 +345,13 @@ def cmd_disagg(args: argparse.Namespace) -> int:
             engine_args += [flag, str(value)]
     proxy_args = ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens),
                   "--max-prefill-queue", str(args.max_prefill_queue)]
+    # A prompt the decode instance prefills itself (conditional disaggregation) runs in chunks
+    # beside its decodes, so their inter-token latency stays short.
+    threshold = DISAGG_DECODE_PREFILL_CHUNK if args.long_prefill_token_threshold is None \
+        else args.long_prefill_token_threshold
     return run_disagg(args.model_path, args.host, args.port, engine_args, args.prefill_cores, args.decode_cores,
-                      proxy_args, core_lending=args.core_lending)
+                      proxy_args, core_lending=args.core_lending,
+                      decode_args=["--long-prefill-token-threshold", str(threshold)])
 
 
 def add_disagg_policy_args(parser: argparse.ArgumentParser) -> None:

@@ -64,7 +64,8 @@ def core_split(prefill_cores: str | None, decode_cores: str | None) -> tuple[str
 
 
 def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], prefill_cores: str | None = None,
-               decode_cores: str | None = None, proxy_args: list[str] = (), core_lending: bool = True) -> int:
+               decode_cores: str | None = None, proxy_args: list[str] = (), core_lending: bool = True,
+               decode_args: list[str] = ()) -> int:
     engine = [sys.executable, "-m", "entrypoints.cli"]
     p_cores, d_cores = core_split(prefill_cores, decode_cores)
     lending_dir = tempfile.mkdtemp(prefix="engine-cores-")  # private (0700): only our processes steer placement
@@ -88,7 +89,7 @@ def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], 
                                        "--kv-port", str(kv_port), "--cpu-cores", p_cores, *lend, *engine_args],
                                       env=env))
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(d_port), "--role", "decode",
-                                       "--cpu-cores", d_cores, *borrow, *engine_args], env=env))
+                                       "--cpu-cores", d_cores, *borrow, *engine_args, *decode_args], env=env))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         wait_healthy(p_url, procs[0])
         wait_healthy(d_url, procs[1])

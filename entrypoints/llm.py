@@ -58,6 +58,9 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        for p in params:  # an invalid schema, regex or grammar fails here, before anything runs
+            if p.structured_outputs is not None:
+                p.structured_outputs.check()
         return self._run(prompts, params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -12,6 +12,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 
 MAX_BODY_BYTES = 32 * 2**20
 # Visible ASCII only: a request id is echoed in a response header, written to logs and used as
@@ -119,6 +120,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced exactly, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's older request fields, each one kind of StructuredOutputsParams.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
 class _SamplingFields(BaseModel):
     # Unknown fields are accepted (and ignored) like vLLM; wrong types of known ones are a 400.
     model_config = ConfigDict(extra="allow")
@@ -146,9 +166,52 @@ class _SamplingFields(BaseModel):
     kv_transfer_params: dict[str, Any] | list[dict[str, Any]] | None = None
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     logit_bias: dict[str, float] | None = None
+    # Structured output, three ways to ask (at most one per request): OpenAI's, vLLM's, vLLM's older one.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """What the request asks its output to follow, and the field it asked in (for errors).
+        Raises BodyError (400) naming the field."""
+        asked = [name for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
+                 if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            asked.remove("response_format")
+        if len(asked) > 1:
+            raise BodyError(400, f"{asked[1]}: only one of {', '.join(asked)} may be set", asked[1])
+        if not asked:
+            return None, None
+        field, extra = asked[0], {}
+        if self.guided_whitespace_pattern is not None:
+            extra["whitespace_pattern"] = self.guided_whitespace_pattern
+        if field == "response_format":
+            spec = self.response_format.json_schema
+            if self.response_format.type == "json_object":
+                kwargs = {"json_object": True}
+            elif spec is None or spec.schema_ is None:
+                raise BodyError(400, "response_format.json_schema.schema is required for type json_schema",
+                                "response_format.json_schema.schema")
+            else:
+                field, kwargs = "response_format.json_schema.schema", {"json": spec.schema_}
+        elif field == "structured_outputs":
+            kwargs = self.structured_outputs
+        else:
+            kwargs = {_GUIDED_FIELDS[field]: getattr(self, field)}
+        try:
+            return StructuredOutputsParams(**{**extra, **kwargs}), field
+        except TypeError as exc:  # an unknown key in structured_outputs
+            raise BodyError(400, f"{field}: {exc}", field) from None
+        except ValueError as exc:
+            raise BodyError(400, f"{field}: {exc}", field) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field on a bad value."""
+        """Raises ValueError naming the field on a bad value (BodyError for structured output)."""
+        structured_outputs, _ = self.structured_outputs_params()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -159,7 +222,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs)
 
 
 class CompletionRequest(_SamplingFields):

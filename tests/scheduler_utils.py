@@ -28,9 +28,10 @@ TokenPolicy = int | Callable[[Request], int]
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
                    max_num_batched_tokens: int = 64, max_model_len: int = 1024,
-                   enable_caching: bool = True) -> Scheduler:
+                   enable_caching: bool = True, long_prefill_token_threshold: int = 0) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     long_prefill_token_threshold=long_prefill_token_threshold),
                      kv, max_model_len)
 
 

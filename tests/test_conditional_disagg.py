@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,36 @@ def test_chat_and_streams_agree_across_paths(cluster):
         whole = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=60).json()
         ref = httpx.post(f"{cluster.prefill.url}/v1/chat/completions", json=body, timeout=60).json()
         assert whole["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+
+STRUCTURED = [  # bounded, so even a random model finishes them within max_tokens
+    {"guided_regex": r"\((ab|cd|ef)(, (ab|cd|ef)){2,3}\)"},
+    {"structured_outputs": {"disable_any_whitespace": True, "json": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 99},
+                                         "tags": {"type": "array", "items": {"enum": ["x", "yz"]}, "maxItems": 3}},
+        "required": ["ok", "n", "tags"]}}},
+]
+
+
+def test_structured_output_is_the_same_on_both_paths(cluster):
+    """The prefill instance samples the first token under the grammar; the decode instance
+    continues the same grammar state from it."""
+    for i, extra in enumerate(STRUCTURED):
+        for length, stream in ((10, False), (10, True), (100, False), (100, True)):  # local, then remote
+            prompt = _prompt(length, 20 + 4 * i + stream + (length > LIMIT) * 2)
+            before = _decisions(cluster.url)
+            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, **extra}
+            expected = httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()
+            expected_text = expected["choices"][0]["text"]
+            assert expected["choices"][0]["finish_reason"] == "stop", expected
+            assert _complete(cluster.url, prompt, stream, max_tokens=40, ignore_eos=False, **extra) == expected_text
+            decision = ("remote", "long_prompt") if length > LIMIT else ("local", "short_prompt")
+            assert _changed(before, _decisions(cluster.url)) == {decision: 1}
+            if "guided_regex" in extra:
+                assert re.fullmatch(extra["guided_regex"], expected_text), expected_text
+            else:
+                assert set(json.loads(expected_text)) == {"ok", "n", "tags"}
 
 
 def test_a_busy_prefill_instance_means_local_prefill(cluster):

@@ -57,6 +57,11 @@ def test_chunked_prefill(tiny_llama, prompts, solo_outputs):
     assert _batched(llm, prompts) == solo_outputs
 
 
+def test_long_prefill_token_threshold(tiny_llama, prompts, solo_outputs):
+    llm = LLM(str(tiny_llama), num_blocks=256, long_prefill_token_threshold=7, enable_prefix_caching=False)
+    assert _batched(llm, prompts) == solo_outputs
+
+
 def test_preemption_in_tiny_pool(tiny_llama, prompts, solo_outputs):
     # 48 blocks of 4 tokens (192 slots): the longest request alone needs 170, all seven
     # together far more, so the scheduler must preempt and recompute.

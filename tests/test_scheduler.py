@@ -119,6 +119,21 @@ def test_chunked_prefill_samples_only_after_the_last_chunk():
     assert_scheduler_empty(sched)
 
 
+def test_long_prefill_token_threshold_chunks_prefills_beside_running_decodes():
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=5)
+    sched.add_request(make_request("d", 3, max_tokens=20))
+    step(sched)  # d's short prompt is one chunk (under the threshold)
+    sched.add_request(make_request("p", 12, max_tokens=2))
+    chunks = []
+    for _ in range(3):
+        so, _ = step(sched)
+        assert so.num_scheduled_tokens["d"] == 1  # the decode runs every step
+        chunks.append(so.num_scheduled_tokens["p"])
+    assert chunks == [5, 5, 2] and sched.requests["p"].num_output_tokens == 1
+    run_until_done(sched)
+    assert_scheduler_empty(sched)
+
+
 def test_token_budget_is_respected_every_step():
     sched = make_scheduler(max_num_batched_tokens=8)
     for i in range(5):

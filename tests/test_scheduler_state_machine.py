@@ -114,12 +114,14 @@ class FakeConnector(KVConnectorScheduler):
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4, 8]),
-                max_num_seqs=st.integers(1, 6), budget=st.integers(4, 64), caching=st.booleans())
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching):
+                max_num_seqs=st.integers(1, 6), budget=st.integers(4, 64), caching=st.booleans(),
+                chunk=st.sampled_from([0, 0, 1, 3, 16]))
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching, chunk=0):
         self.block_size = block_size
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.connector = FakeConnector(block_size)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                   long_prefill_token_threshold=chunk),
                                    self.kv, max_model_len=512, connector=self.connector)
         self.worker = FakeWorker(block_size)
         self.hasher = make_block_hasher(block_size)

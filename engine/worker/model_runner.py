@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.grammar import bitmask_to_bias
 from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allocate_kv_tensor
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -214,7 +215,8 @@ class ModelRunner:
                 [s.prompt_token_ids for _, s in rows],
                 [s.output_token_ids for _, s in rows],
                 [self._banned_ids(s) for _, s in rows],
-                self.device))
+                self.device,
+                grammar=self._grammar_rows(so, [r for r, _ in rows])))
             for i, (req_id, state) in enumerate(rows):
                 token = sampled.sampled_token_ids[i]
                 state.output_token_ids.append(token)
@@ -234,6 +236,20 @@ class ModelRunner:
         except Exception:  # counters are never worth a step: keep the previous ones
             logger.exception("reading the KV connector's counters failed")
         return out
+
+    def _grammar_rows(self, so: SchedulerOutput, sampling_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, their logit bias: 0 allowed, -inf not) of the sampling rows the scheduler
+        sent a grammar bitmask for."""
+        if so.grammar_bitmask is None:
+            return None
+        row_of = {req_id: i for i, req_id in enumerate(sampling_ids)}
+        pairs = [(row_of[r], i) for i, r in enumerate(so.grammar_req_ids) if r in row_of]
+        if not pairs:
+            return None
+        rows, mask_rows = zip(*pairs)
+        bias = bitmask_to_bias(so.grammar_bitmask[list(mask_rows)], self.model_config.vocab_size)
+        return (torch.tensor(rows, dtype=torch.int64, device=self.device),
+                torch.from_numpy(bias).to(self.device))
 
     def _banned_ids(self, state: RunnerRequest) -> list[int]:
         """EOS and stop tokens may not end a request before it has min_tokens tokens."""

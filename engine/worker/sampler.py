@@ -49,6 +49,9 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None
     num_logprobs: list[int | None]  # per row: SamplingParams.logprobs
     max_num_logprobs: int | None  # None when no row asked for logprobs
+    # Structured output: (rows, [len(rows), vocab] float32 bias: 0.0 for the tokens their
+    # grammars allow, -inf for the rest).
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -58,6 +61,7 @@ class SamplingMetadata:
         output_token_ids: list[list[int]],
         banned_token_ids: list[list[int]] | None,
         device: torch.device,
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> "SamplingMetadata":
         num_rows = len(params)
         if len(prompt_token_ids) != num_rows or len(output_token_ids) != num_rows:
@@ -97,6 +101,7 @@ class SamplingMetadata:
             penalties=_build_penalties(params, prompt_token_ids, output_token_ids, device),
             num_logprobs=[p.logprobs for p in params],
             max_num_logprobs=max(requested) if requested else None,
+            grammar=grammar,
         )
 
 
@@ -193,8 +198,16 @@ class Sampler:
         # logits: [num_rows, vocab]; never modified in place (the caller may reuse it).
         raw = logits.float()
         logits = raw
+        if meta.grammar is not None:
+            logits = logits.index_add(0, *meta.grammar)  # x + 0.0 == x: other tokens and rows unchanged
         if meta.banned_index is not None:
-            logits = logits.index_put(meta.banned_index, torch.tensor(float("-inf"), device=logits.device))
+            banned = logits.index_put(meta.banned_index, torch.tensor(float("-inf"), device=logits.device))
+            if meta.grammar is not None:
+                # A grammar that allows only banned tokens (EOS before min_tokens) wins: its
+                # output must stay valid.
+                emptied = banned.isneginf().all(dim=-1, keepdim=True)
+                banned = torch.where(emptied, logits, banned)
+            logits = banned
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
 
