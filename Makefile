@@ -30,6 +30,8 @@ serve-single: venv
 	$(VENV)/bin/engine serve --host 127.0.0.1 --port $(PORT)
 
 test: venv
+	# Bytecode once for the ~100 processes the suite starts (some environments never write it).
+	$(PY) -m compileall -q engine entrypoints tests
 	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: venv

@@ -109,7 +109,9 @@ class KVTransferConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None
+    model: str | None = None  # a local directory, a .gguf file or a Hugging Face id
+    revision: str | None = None  # of a Hugging Face id: a branch, tag or commit
+    download_dir: str | None = None  # the Hugging Face cache to use (default: HF_HOME's)
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"

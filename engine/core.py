@@ -161,8 +161,12 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
         # Waiting only for remote KV (nothing was scheduled): poll briefly instead of spinning.
         timeout = IDLE_POLL_MS if not busy else (0 if core.engine.last_num_scheduled_tokens else WAIT_POLL_MS)
         while poller.poll(timeout):
-            msg = decoder.decode(pull.recv())
             timeout = 0
+            try:
+                msg = decoder.decode(pull.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError):  # never from our API server, which checks
+                logger.exception("dropped a message the engine core cannot decode")
+                continue
             if isinstance(msg, AddRequest):
                 push.send(encoder.encode(core.handle_add(msg)))
             elif isinstance(msg, AbortRequests):
@@ -181,6 +185,10 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
             except Exception:  # placement is an optimisation: never worth the engine
                 logger.exception("core lending failed; the engine keeps its own cores")
                 core.lending = None
+            # On borrowed cores too a whole prompt's step is short: the prefill chunk limit
+            # protects the running streams only while this instance computes on its own cores.
+            borrowing = core.lending is not None and core.lending.borrowing
+            scheduler.long_prefill_token_threshold = 0 if borrowing else core.engine.config.long_prefill_token_threshold
         deltas = []
         # Idle, a step still runs once per stats interval: the connector's counters (a KV
         # server's refusals, bytes a peer pulled) come back only with a step's output.

@@ -45,6 +45,7 @@ class CoreLender:
         # Never through a link someone else planted (the file may be in a shared directory).
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         self.busy: bool | None = None
+        self.borrowing = False  # (a lender never borrows)
         self.before_step(False)
 
     def before_step(self, busy: bool) -> None:
@@ -78,6 +79,10 @@ class CoreBorrower:
             self.allowed = set(os.sched_getaffinity(os.getppid())) | set(own_cores)
         except OSError:
             self.allowed = set(own_cores)
+
+    @property
+    def borrowing(self) -> bool:
+        return self.current != self.own
 
     def _lent(self) -> list[int]:
         """The lender's cores while it is idle, else none (also when it has not started yet)."""

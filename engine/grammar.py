@@ -22,7 +22,8 @@ from engine.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("engine.grammar")
 
-MAX_CACHED_GRAMMARS = 512
+# Compiled grammars kept (each key is at most structured_output.MAX_SPEC_CHARS long).
+MAX_CACHED_GRAMMARS = 128
 
 
 class GrammarCompiler:
@@ -31,34 +32,31 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(eos_token_ids)
+        # (an EOS id outside the model's logits could never be sampled, nor fit a bitmask row)
+        self.eos_token_ids = sorted(t for t in eos_token_ids if 0 <= t < vocab_size)
         self._hf_tokenizer = hf_tokenizer
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.5 s)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self.num_compiled = 0
 
     def request_grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A sequence's own grammar state; its compile may still be running."""
-        try:
-            spec = params.grammar_spec()
-        except ValueError as exc:  # a request no edge checked (it fails when it is scheduled)
-            failed: Future = Future()
-            failed.set_exception(exc)
-            return RequestGrammar(failed, self)
-        future = self._cache.pop(spec, None)
+        """A sequence's own grammar state; its compile may still be running. Nothing here
+        translates or compiles: that is the compile thread's, off the step loop."""
+        key = params.cache_key
+        future = self._cache.pop(key, None)
         if future is None:
-            future = self._executor.submit(self._compile, spec)
-        self._cache[spec] = future  # most recent last
+            future = self._executor.submit(self._compile, params)
+        self._cache[key] = future  # most recent last
         while len(self._cache) > MAX_CACHED_GRAMMARS:
             self._cache.popitem(last=False)
         return RequestGrammar(future, self)
 
-    def _compile(self, spec: str) -> llguidance.LLMatcher:
+    def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
                                                               eos_token=self.eos_token_ids)
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, spec, log_level=0)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, params.grammar_spec(), log_level=0)
         self.num_compiled += 1
         if matcher.is_error():
             raise ValueError(matcher.get_error())
@@ -80,6 +78,11 @@ class RequestGrammar:
 
     def ready(self) -> bool:
         return self._matcher is not None or self._compiled.done()
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete (or broken): only EOS may follow."""
+        return self._matcher is not None and (self._matcher.is_stopped() or self._matcher.is_error())
 
     @property
     def error(self) -> str | None:
@@ -125,15 +128,16 @@ class RequestGrammar:
             words[eos // 32] |= np.uint32(1 << (eos % 32))
 
 
-_NEG_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.int32)
+_NEG_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.uint32)
+_SIGN_BIT = np.uint32(1 << 31)
 
 
-def bitmask_to_bias(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """[rows, words] int32 bitmask -> [rows, vocab] float32: 0.0 where allowed, -inf elsewhere,
-    for adding to logits (x + 0.0 == x exactly). Integer arithmetic on the bit pattern of
-    -inf: a select over the whole vocabulary costs several times more on a CPU."""
+def bitmask_to_bound(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[rows, words] int32 bitmask -> [rows, vocab] float32 upper bound for the logits: +inf
+    where allowed, -inf elsewhere (min(x, +inf) == x exactly, +inf logits included). Built by
+    integer arithmetic on the bit patterns: a select over the vocabulary costs far more."""
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    return ((1 - allowed.astype(np.int32)) * _NEG_INF_BITS).view(np.float32)
+    return (_NEG_INF_BITS - allowed.astype(np.uint32) * _SIGN_BIT).view(np.float32)
 
 
 def bitmask_words(vocab_size: int) -> int:

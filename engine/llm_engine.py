@@ -107,7 +107,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         apply_placement(config.cpu_cores, config.num_threads)
-        model_dir = loader.resolve_model(config.model)
+        model_dir = loader.resolve_model(config.model, config.revision, config.download_dir)
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
         hf_config = loader.load_hf_config(model_dir)

@@ -118,6 +118,8 @@ class Request:
         """The finished status the last sampled token implies, or None to keep going."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
+        if self.grammar is not None and last in self.eos_token_ids and self.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: min_tokens and ignore_eos yield
         if self.num_output_tokens >= params.min_tokens:
             if last in self.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED

@@ -125,7 +125,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._newest_parked() or self.running.pop()
@@ -220,7 +220,7 @@ class Scheduler:
                 return Admission.ASK_AGAIN, 0
             num_external, load_async = match
         num_computed = num_local + num_external
-        num_new = 0 if load_async else self._chunk(request.num_tokens - num_computed, budget)
+        num_new = 0 if load_async else self._chunk(request, request.num_tokens - num_computed, budget)
         new_block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_external,
                                                delay_caching=load_async)
         if new_block_ids is None:
@@ -253,11 +253,14 @@ class Scheduler:
             request.queue_time = time.monotonic() - request.arrival_time
         return Admission.SCHEDULED, num_new
 
-    def _chunk(self, num_uncomputed: int, budget: int) -> int:
+    def _chunk(self, request: Request, num_uncomputed: int, budget: int) -> int:
         """Tokens to compute this step: all that fit the budget, but a prefill's chunk no more
-        than long_prefill_token_threshold."""
+        than long_prefill_token_threshold (not a preempted request's recompute: it held the
+        pool once and should free it soon)."""
         limit = self.long_prefill_token_threshold
-        return min(num_uncomputed, budget, limit if limit and num_uncomputed > 1 else num_uncomputed)
+        if not limit or num_uncomputed <= 1 or request.num_preemptions:
+            limit = num_uncomputed
+        return min(num_uncomputed, budget, limit)
 
     def _fail_admission(self, request: Request, exc: Exception) -> Admission:
         logger.exception("request %s: the KV connector failed on it; ending it", request.request_id)

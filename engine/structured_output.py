@@ -11,7 +11,11 @@ import json
 from dataclasses import dataclass
 
 import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
+# A schema, regex, grammar or choice list longer than this is refused at the edge: compiles and
+# caches stay bounded (a 32 MiB body could otherwise hold one).
+MAX_SPEC_CHARS = 256 * 1024
 # JSON whitespace, at most this many characters between two tokens of the JSON text. Unbounded
 # whitespace (the JSON standard's, vLLM's default) lets a small model emit newlines until
 # max_tokens, a well-known failure of JSON mode; a bound keeps pretty-printed JSON possible.
@@ -48,10 +52,22 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) for c in self.choice)):
                 raise ValueError("choice must be a non-empty list of strings")
             self.choice = list(self.choice)
+        if self.disable_any_whitespace is None:  # JSON null, as some clients send unset options
+            self.disable_any_whitespace = False
         for name in ("json_object", "disable_any_whitespace"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+        size = sum(len(v) for v in (self.json, self.regex, self.grammar, self.whitespace_pattern) if v) + sum(
+            len(c) + 1 for c in self.choice or ())
+        if size > MAX_SPEC_CHARS:
+            raise ValueError(f"{self.kind} is {size} characters long; at most {MAX_SPEC_CHARS} are accepted")
+
+    @property
+    def cache_key(self) -> tuple:
+        """Equal for requests that compile to the same grammar (cheap: no translation)."""
+        return (self.json, self.regex, tuple(self.choice) if self.choice else None, self.grammar, self.json_object,
+                self.disable_any_whitespace, self.whitespace_pattern)
 
     @property
     def kind(self) -> str:
@@ -66,21 +82,25 @@ class StructuredOutputsParams:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
             return llguidance.grammar_from("choice", self.choice)
-        return llguidance.grammar_from("grammar", self.grammar)
+        # GBNF (llama.cpp's) has "::=" where Lark has ":" (llguidance's own detection of the
+        # dialect takes quadratic time on long inputs).
+        grammar = gbnf_to_lark(self.grammar) if "::=" in self.grammar else self.grammar
+        return llguidance.LLMatcher.grammar_from_lark(grammar)
 
     def _json_options(self) -> dict:
         if self.disable_any_whitespace:
             return {"whitespace_flexible": False}
         return {"whitespace_pattern": self.whitespace_pattern or DEFAULT_JSON_WHITESPACE}
 
-    def check(self) -> None:
+    def check(self, tokenizer: llguidance.LLTokenizer | None = None) -> None:
         """Raises ValueError naming the field when the schema, regex or grammar is invalid (or
-        uses a JSON-schema keyword the backend cannot enforce)."""
+        uses a JSON-schema keyword the backend cannot enforce; with the model's ``tokenizer``,
+        also a token the vocabulary lacks)."""
         try:
             spec = self.grammar_spec()
-        except ValueError as exc:
+        except Exception as exc:  # the GBNF converter raises its own errors
             raise ValueError(f"{self.kind}: {exc}") from None
-        error = llguidance.LLMatcher.validate_grammar(spec)
+        error = llguidance.LLMatcher.validate_grammar(spec, tokenizer)
         if error:
             raise ValueError(f"{self.kind}: {error.strip()}")
 
@@ -89,7 +109,7 @@ def _canonical_schema(schema: object) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"json: not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"json must be a JSON schema (an object), got {type(schema).__name__}")
@@ -100,16 +120,19 @@ def _canonical_schema(schema: object) -> str:
         raise ValueError(f"json: cannot be encoded as JSON: {exc}") from None
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames",
-                  "unevaluatedProperties", "additionalItems")
-_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+# Where plain subschemas sit. Combinators (allOf, anyOf, oneOf, not, if/then/else) and $ref
+# are left alone: their parts add properties to each other, so closing one would reject what
+# another allows.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_VALUES = ("items", "additionalProperties")
+_COMBINED = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "dependentSchemas",
+             "unevaluatedProperties", "additionalProperties")
 
 
 def _closed(schema: object) -> object:
-    """A copy where an object schema that lists properties and says nothing of others allows
-    no others (what OpenAI's strict mode requires and xgrammar, vLLM's default backend, does):
-    otherwise a small model tends to keep inventing keys until max_tokens."""
+    """A copy where a plain object schema that lists properties and says nothing of others
+    allows no others (what OpenAI's strict mode requires and xgrammar, vLLM's default backend,
+    does): otherwise a small model tends to keep inventing keys until max_tokens."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -117,11 +140,10 @@ def _closed(schema: object) -> object:
         if isinstance(out.get(key), dict):
             out[key] = {name: _closed(sub) for name, sub in out[key].items()}
     for key in _SCHEMA_VALUES:
-        if key in out:
+        if isinstance(out.get(key), dict):
             out[key] = _closed(out[key])
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(sub) for sub in out[key]]
-    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+    if isinstance(out.get("prefixItems"), list):
+        out["prefixItems"] = [_closed(sub) for sub in out["prefixItems"]]
+    if "properties" in out and not any(key in out for key in _COMBINED):
         out["additionalProperties"] = False
     return out

@@ -24,7 +24,7 @@ from engine.kv_transfer.params import (
     check_kv_transfer_params_signature,
     parse_kv_transfer_params,
 )
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from entrypoints.metrics import ServerMetrics
 from entrypoints.protocol import (
     FIRST_TOKENS_SHOWN,
@@ -95,6 +95,7 @@ class OpenAIServer:
         # Tokenizing and rendering chat templates run here, off the event loop, one at a time
         # (a fast tokenizer must not be entered from two threads at once).
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._ll_tokenizer = None  # see _grammar_tokenizer (only ever touched on that one thread)
         self.metrics = ServerMetrics(served_model_names[0], lambda: client.stats)
         client.on_stats = self.metrics.observe_stats
 
@@ -135,11 +136,23 @@ class OpenAIServer:
             raise APIError(400, message, message.split(" ", 1)[0]) from None
         if params.structured_outputs is not None:
             try:
-                await self._off_loop(params.structured_outputs.check)
+                await self._off_loop(lambda: params.structured_outputs.check(self._grammar_tokenizer()))
             except ValueError as exc:
                 _, field = request.structured_outputs_params()
                 raise APIError(400, f"{field}: {exc}", field) from None
+        try:  # exactly what the engine core will decode: nothing it would refuse leaves here
+            msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise APIError(400, f"invalid sampling parameters: {exc}") from None
         return params
+
+    def _grammar_tokenizer(self):
+        """The model's vocabulary for llguidance (built once, ~0.5 s, on the first structured
+        request, in the worker thread that checks it): tokens a grammar names must exist."""
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.client.info.vocab_size)
+        return self._ll_tokenizer
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):

@@ -14,13 +14,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--kv-cache-memory", default=None,
                       help="bytes of KV cache, e.g. 2GiB (default: 2GiB on CPU)")
     size.add_argument("--num-blocks", type=int, default=None, help="size the KV cache by a block count")
+    parser.add_argument("--revision", default=None,
+                        help="of a Hugging Face model id: the branch, tag or commit (default: main)")
+    parser.add_argument("--download-dir", default=None, metavar="DIR",
+                        help="Hugging Face cache directory for model ids (default: $HF_HOME/hub)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="max requests per step (default 256)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget per step; longer prompts are prefilled in chunks (default 2048)")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
                         help="a prompt is prefilled at most N tokens per step, so the requests decoding beside it "
                              "keep a short inter-token latency (default 0: up to the step's budget; engine disagg "
-                             "gives it to the decode instance only, default 32 there)")
+                             "gives it to the decode instance only, default 32 there, applied while that instance "
+                             "borrows no cores)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's max_position_embeddings)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -56,7 +61,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
+    return dict(revision=args.revision, download_dir=args.download_dir, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
@@ -185,7 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.core_client import AsyncEngineClient
     from engine.worker.loader import resolve_model
 
-    model_dir = resolve_model(args.model_path or args.model)
+    model_dir = resolve_model(args.model_path or args.model, args.revision, args.download_dir)
     served = args.served_model_name or [args.model_path or args.model or "SmolLM2-135M-Instruct"]
     config = EngineConfig(model=str(model_dir), kv_transfer_config=kv_transfer_config(args),
                           lend_cores_file=args.lend_cores, borrow_cores_file=args.borrow_cores,
@@ -372,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="print a completion for one prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", default=None,
+                     help="HF model directory, .gguf file or Hugging Face id ORG/NAME (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
@@ -382,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server (engine core in its own process)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                     help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+                     help="HF model directory, .gguf file or Hugging Face id ORG/NAME (default: SmolLM2-135M-Instruct)")
     srv.add_argument("--model", default=None, help=argparse.SUPPRESS)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")

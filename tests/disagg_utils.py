@@ -42,7 +42,8 @@ class ProxyProcess:
                 time.sleep(0.05)
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
@@ -79,6 +80,8 @@ class Disagg:
         self.decode.wait_idle()
 
     def stop(self) -> None:
+        for srv in (self.decode, self.prefill):  # all three shut down side by side
+            srv.terminate()
         self.proxy.stop()
         for srv in (self.decode, self.prefill):
             assert srv.stop() in (0, -15)

@@ -106,10 +106,15 @@ class ServerProcess:
         self.proc.wait(10)
         self.log.close()
 
+    def terminate(self) -> None:
+        """SIGTERM, once (a second one makes uvicorn skip its graceful shutdown)."""
+        if self.proc.poll() is None and not getattr(self, "_terminated", False):
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, then check that the server and its engine core both exited in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

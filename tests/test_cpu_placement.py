@@ -105,14 +105,14 @@ def test_lender_and_borrower_agree_through_the_file(tmp_path, monkeypatch):
     board = str(tmp_path / "board")
     borrower = CoreBorrower(board, own)
     borrower.before_step(True)  # no lender yet: stays on its own cores
-    assert placed == []
+    assert placed == [] and not borrower.borrowing
     lender = CoreLender(board, lent)
     borrower.before_step(True)  # lender idle: borrow its cores
-    assert placed == [cores]
+    assert placed == [cores] and borrower.borrowing  # (the core then lifts its prefill chunk limit)
     borrower.before_step(False)  # nothing to compute: nothing checked or changed
     lender.before_step(True)
     borrower.before_step(True)  # lender busy: give them back
-    assert placed == [cores, own]
+    assert placed == [cores, own] and not borrower.borrowing
     borrower.before_step(True)  # unchanged: no new placement
     assert len(placed) == 2
     lender.before_step(False)

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+from concurrent.futures import Future
 
 import jsonschema
 import llguidance
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.grammar import bitmask_to_bias
+from engine.grammar import RequestGrammar, bitmask_to_bound
 from engine.ipc import AddRequest
 from engine.structured_output import StructuredOutputsParams as SO
 from engine.worker.sampler import Sampler, SamplingMetadata
@@ -96,6 +97,27 @@ def test_listed_properties_close_an_object_unless_it_says_otherwise():
     assert schema["properties"]["open"]["additionalProperties"] is True
     assert schema["$defs"]["p"]["additionalProperties"] is False
     assert list(schema["properties"]) == ["properties", "open"]  # the schema's order is the output's
+    # Parts of a combination add properties to each other: none of them is closed.
+    for combined in ({"allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+                     {"properties": {"x": {"type": "integer"}},
+                      "anyOf": [{"properties": {"y": {"type": "integer"}}, "required": ["y"]}]}):
+        so = SO(json=combined)
+        so.check()
+        assert "additionalProperties" not in so.json
+
+
+def test_limits_and_null_options():
+    assert SO(regex="a", disable_any_whitespace=None).disable_any_whitespace is False
+    with pytest.raises(ValueError, match="^regex is 300000 characters"):
+        SO(regex="a" * 300_000)
+    with pytest.raises(ValueError, match="^choice is"):
+        SO(choice=["x" * 1000] * 300)
+    with pytest.raises(ValueError, match="^json: not valid JSON"):
+        SO(json="[" * 100_000)
+    SO(grammar='root ::= "yes" | "no"').check()  # GBNF as well as Lark
+    with pytest.raises(ValueError, match="^grammar"):
+        SO(grammar="root ::= missing").check()
 
 
 def test_params_cross_the_process_boundary():
@@ -142,13 +164,14 @@ def test_bad_request_forms_name_the_field(body, param):
     assert exc.value.status == 400 and exc.value.param == param, exc.value.message
 
 
-def test_bitmask_becomes_an_exact_logit_bias():
+def test_bitmask_becomes_an_exact_upper_bound():
     rng = np.random.default_rng(0)
     bitmask = rng.integers(-2**31, 2**31 - 1, size=(3, 4), dtype=np.int32)  # 128 bits, vocab 100
-    bias = bitmask_to_bias(bitmask, 100)
+    bound = bitmask_to_bound(bitmask, 100)
     words = bitmask.view(np.uint32)
-    expected = [[0.0 if (int(words[r, t // 32]) >> (t % 32)) & 1 else -np.inf for t in range(100)] for r in range(3)]
-    assert bias.dtype == np.float32 and bias.tolist() == expected
+    expected = [[np.inf if (int(words[r, t // 32]) >> (t % 32)) & 1 else -np.inf for t in range(100)]
+                for r in range(3)]
+    assert bound.dtype == np.float32 and bound.tolist() == expected
 
 
 def test_sampler_masks_only_the_grammar_rows():
@@ -158,7 +181,7 @@ def test_sampler_masks_only_the_grammar_rows():
     bitmask = np.zeros((1, 4), dtype=np.int32)
     for t in allowed:
         bitmask.view(np.uint32)[0, t // 32] |= np.uint32(1 << (t % 32))
-    grammar = (torch.tensor([1]), torch.from_numpy(bitmask_to_bias(bitmask, 100)))
+    grammar = (torch.tensor([1]), torch.from_numpy(bitmask_to_bound(bitmask, 100)))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0, min_tokens=3),
               SamplingParams(temperature=0.8, seed=3)]
     cpu = torch.device("cpu")
@@ -171,13 +194,41 @@ def test_sampler_masks_only_the_grammar_rows():
     banned = Sampler()(logits, SamplingMetadata.build(params, [[1]] * 3, [[]] * 3, [[], allowed, []], cpu,
                                                       grammar=grammar))
     assert banned.sampled_token_ids[1] in allowed
+    # An overflowed (+inf) logit of a token the grammar forbids is still forbidden, not NaN.
+    logits[1, 3] = float("inf")
+    masked = Sampler()(logits, SamplingMetadata.build(params, [[1]] * 3, [[]] * 3, None, cpu, grammar=grammar))
+    assert masked.sampled_token_ids[1] in allowed
+    # Every row constrained: the same result through the whole-batch path.
+    everything = (torch.arange(3), torch.from_numpy(bitmask_to_bound(np.repeat(bitmask, 3, axis=0), 100)))
+    allrows = Sampler()(logits, SamplingMetadata.build(params, [[1]] * 3, [[]] * 3, None, cpu, grammar=everything))
+    assert all(t in allowed for t in allrows.sampled_token_ids)
+
+
+def test_tokens_accepted_before_the_compile_finished_are_replayed(ll_tokenizer, tiny):
+    """A decode instance gets the prefill's first token when the request arrives, usually
+    before its grammar is compiled: the matcher must start from that token."""
+    so = SO(choice=["alpha", "beta"])
+    tokens = tiny.engine.tokenizer.encode("alpha", add_special_tokens=False)
+    compiled: Future = Future()
+    grammar = RequestGrammar(compiled, tiny.engine.grammar_compiler)
+    for t in tokens[:-1]:
+        grammar.accept(t)
+    assert not grammar.ready()
+    compiled.set_result(llguidance.LLMatcher(ll_tokenizer, so.grammar_spec(), log_level=0))
+    row = np.zeros(VOCAB // 32, dtype=np.int32)
+    grammar.fill_bitmask(row)
+    allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+    assert tokens[-1] in allowed and len(allowed) < 10  # only continuations of "alpha"
+    grammar.accept(tokens[-1])
+    grammar.fill_bitmask(row)
+    assert set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))) <= set(tiny.engine.eos_token_ids)
 
 
 # ---- the engine ---------------------------------------------------------------------------
 BOUNDED = SCHEMAS["array_of_objects"]
 KINDS = [SO(regex=r"[a-z]{2,5}-[0-9]{2}"), SO(choice=["alpha", "beta", "gamma delta"]),
          SO(grammar='start: "(" DIGIT ("+" DIGIT){0,3} ")"\nDIGIT: /[0-9]/'), SO(json=BOUNDED),
-         SO(json=SCHEMAS["person_record"])]
+         SO(json=SCHEMAS["person_record"]), SO(grammar='root ::= "<" [a-c]{1,3} ">"')]
 
 
 def test_regex_choice_grammar_and_json_outputs_obey(tiny, ll_tokenizer):
@@ -190,6 +241,7 @@ def test_regex_choice_grammar_and_json_outputs_obey(tiny, ll_tokenizer):
     assert re.fullmatch(r"[a-z]{2,5}-[0-9]{2}", texts[0])
     assert texts[1] in ("alpha", "beta", "gamma delta")
     assert re.fullmatch(r"\([0-9](\+[0-9]){0,3}\)", texts[2])
+    assert re.fullmatch(r"<[a-c]{1,3}>", texts[5])
     for out, schema in ((outs[3], BOUNDED), (outs[4], SCHEMAS["person_record"])):
         if out.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
@@ -232,11 +284,15 @@ def test_a_grammar_that_cannot_finish_ends_with_length(tiny, ll_tokenizer):
     assert_obeys(ll_tokenizer, so, out)
 
 
-def test_min_tokens_cannot_push_an_output_past_its_grammar(tiny):
+@pytest.mark.parametrize("extra", [{"min_tokens": 6}, {"ignore_eos": True}])
+def test_min_tokens_and_ignore_eos_cannot_push_an_output_past_its_grammar(tiny, extra):
     so = SO(choice=["yes", "no"])
-    out = tiny.generate([_prompt(12, 4)], SamplingParams(temperature=0, max_tokens=10, min_tokens=6,
-                                                         structured_outputs=so), use_tqdm=False)[0].outputs[0]
-    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    out = tiny.generate([_prompt(12, 4)], SamplingParams(temperature=0, max_tokens=10, structured_outputs=so,
+                                                         skip_special_tokens=False, **extra),
+                        use_tqdm=False)[0].outputs[0]
+    eos = tiny.engine.eos_token_ids
+    assert out.finish_reason == "stop" and out.token_ids[-1] in eos and not any(t in eos for t in out.token_ids[:-1])
+    assert tiny.engine.tokenizer.decode(out.token_ids[:-1]) in ("yes", "no")
 
 
 def test_each_grammar_compiles_once_and_a_bad_one_fails_only_its_request(tiny):

@@ -97,6 +97,10 @@ def test_vllm_fields_on_completions_streamed_and_not(client, extra, check):
     ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{broken"}, "guided_json"),
+    ({"guided_json": "[" * 100_000}, "guided_json"),
+    ({"guided_regex": "a" * 300_000}, "guided_regex"),
+    ({"guided_grammar": "start: <[99999999]>"}, "guided_grammar"),  # a token the vocabulary lacks
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}}, "structured_outputs"),
 ])
 def test_bad_structured_output_is_a_400_naming_the_field(server, body, param):
     for path, base in (("/v1/chat/completions", {"messages": _ask("hi")}), ("/v1/completions", {"prompt": "hi"})):
@@ -105,3 +109,14 @@ def test_bad_structured_output_is_a_400_naming_the_field(server, body, param):
         assert resp.status_code == 400, resp.text
         error = resp.json()["error"]
         assert error["param"] == param, error
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+
+
+def test_null_options_are_defaults_and_the_server_lives_on(client, server):
+    """A client's explicit nulls (here an option the engine core decodes as a bool) are the
+    defaults, never a message the core cannot read."""
+    text = client.completions.create(model="smol", prompt="Pick:", max_tokens=8, temperature=0, extra_body={
+        "structured_outputs": {"choice": ["red", "blue"], "disable_any_whitespace": None,
+                               "whitespace_pattern": None}}).choices[0].text
+    assert text in ("red", "blue")
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200

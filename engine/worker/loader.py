@@ -1,8 +1,9 @@
-"""Find a model on local disk and read it as an HF-style directory.
+"""Find a model and read it as an HF-style directory.
 
-A model is either a directory with config.json and *.safetensors (or *.bin) files, or a GGUF file.
-A GGUF file is converted once into an HF-style directory under the engine cache and reused. We
-never download anything: a name that is not a local path is an error.
+A model is a directory with config.json and *.safetensors (or *.bin) files, a GGUF file, or a
+Hugging Face id (``ORG/NAME``) that is not a local path: its snapshot is taken from the Hugging
+Face cache or downloaded into it (huggingface_hub: ``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``
+honoured). A GGUF file is converted once into an HF-style directory under the engine cache.
 """
 
 from __future__ import annotations
@@ -82,20 +83,28 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"Package {DEFAULT_MODEL_PACKAGE} has no .gguf file on disk. {hint}")
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Turn a user's model argument into a local HF-style directory (config.json + weights)."""
+# What a snapshot download fetches: configs, tokenizer files, weights (never other formats).
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.gguf", "*.jinja"]
+
+
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
+                  download_dir: str | os.PathLike | None = None) -> Path:
+    """Turn a user's model argument into a local HF-style directory (config.json + weights). A
+    local path wins over a Hugging Face id of the same spelling."""
     if model is None:
         return _converted_gguf(default_model_path())
     path = Path(os.path.abspath(Path(model).expanduser()))
     if not path.exists():
-        raise FileNotFoundError(
-            f"Model {str(model)!r} not found. Pass a local directory with config.json or a .gguf file; "
-            "the engine never downloads from a model hub."
-        )
+        text = str(model)
+        if os.path.isabs(text) or text.startswith((".", "~")) or text.endswith(".gguf"):  # meant as a path
+            raise FileNotFoundError(f"Model {text!r} not found: no such file or directory ({path}).")
+        path = _hub_snapshot(text, revision, download_dir)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
         ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1 and _is_hub_snapshot(path):  # a GGUF repository: its one file
+            return _converted_gguf(ggufs[0])
         hint = f" Pass the .gguf file itself, e.g. {ggufs[0]}." if ggufs else ""
         raise ValueError(f"Model directory {path} has no config.json.{hint}")
     with open(path, "rb") as f:
@@ -105,6 +114,32 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
             f"Model file {path} is not a GGUF file. Pass a .gguf file or a directory with config.json."
         )
     return _converted_gguf(path)
+
+
+def _is_hub_snapshot(path: Path) -> bool:
+    return path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--")
+
+
+def _hub_snapshot(model_id: str, revision: str | None, download_dir: str | os.PathLike | None) -> Path:
+    """The local snapshot of a Hugging Face model id (downloaded unless HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub import constants
+
+    tried = f"no local path {os.path.abspath(model_id)}"
+    try:
+        return Path(snapshot_download(model_id, revision=revision, cache_dir=download_dir,
+                                      allow_patterns=_HUB_PATTERNS))
+    except HFValidationError:
+        raise FileNotFoundError(f"Model {model_id!r} not found: {tried}, and it is not a Hugging Face model id "
+                                "(ORG/NAME). Pass a local directory with config.json, a .gguf file or a model id.") \
+            from None
+    except Exception as exc:  # not cached and offline, unknown, gated, no network: say all of it
+        where = "the Hugging Face cache (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else \
+            "the Hugging Face cache or the Hub"
+        rev = f" at revision {revision!r}" if revision else ""
+        raise FileNotFoundError(f"Model {model_id!r}{rev} not found: {tried}, and not in {where} "
+                                f"({download_dir or 'default cache'}): {type(exc).__name__}: {exc}") from None
 
 
 def load_hf_config(model_dir: Path) -> dict:

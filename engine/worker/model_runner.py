@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.grammar import bitmask_to_bias
+from engine.grammar import bitmask_to_bound
 from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allocate_kv_tensor
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -238,18 +238,18 @@ class ModelRunner:
         return out
 
     def _grammar_rows(self, so: SchedulerOutput, sampling_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, their logit bias: 0 allowed, -inf not) of the sampling rows the scheduler
-        sent a grammar bitmask for."""
+        """(rows, their logits' upper bound: +inf allowed, -inf not) of the sampling rows the
+        scheduler sent a grammar bitmask for."""
         if so.grammar_bitmask is None:
             return None
         row_of = {req_id: i for i, req_id in enumerate(sampling_ids)}
-        pairs = [(row_of[r], i) for i, r in enumerate(so.grammar_req_ids) if r in row_of]
+        pairs = sorted((row_of[r], i) for i, r in enumerate(so.grammar_req_ids) if r in row_of)  # row order
         if not pairs:
             return None
         rows, mask_rows = zip(*pairs)
-        bias = bitmask_to_bias(so.grammar_bitmask[list(mask_rows)], self.model_config.vocab_size)
+        bound = bitmask_to_bound(so.grammar_bitmask[list(mask_rows)], self.model_config.vocab_size)
         return (torch.tensor(rows, dtype=torch.int64, device=self.device),
-                torch.from_numpy(bias).to(self.device))
+                torch.from_numpy(bound).to(self.device))
 
     def _banned_ids(self, state: RunnerRequest) -> list[int]:
         """EOS and stop tokens may not end a request before it has min_tokens tokens."""

@@ -49,8 +49,8 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None
     num_logprobs: list[int | None]  # per row: SamplingParams.logprobs
     max_num_logprobs: int | None  # None when no row asked for logprobs
-    # Structured output: (rows, [len(rows), vocab] float32 bias: 0.0 for the tokens their
-    # grammars allow, -inf for the rest).
+    # Structured output: (rows, [len(rows), vocab] float32 upper bound: +inf for the tokens
+    # their grammars allow, -inf for the rest).
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -186,6 +186,14 @@ def apply_top_k_top_p(
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
+def apply_grammar_bound(logits: torch.Tensor, rows: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Out of place: the listed rows keep only the tokens their grammars allow; min(x, +inf) is
+    exactly x, so allowed tokens and the other rows are untouched."""
+    if rows.numel() == logits.shape[0]:  # every row is constrained (rows come in ascending order)
+        return torch.minimum(logits, bound)
+    return logits.index_copy(0, rows, torch.minimum(logits[rows], bound))
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); min_p = 0 keeps everything.
     threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
@@ -199,7 +207,7 @@ class Sampler:
         raw = logits.float()
         logits = raw
         if meta.grammar is not None:
-            logits = logits.index_add(0, *meta.grammar)  # x + 0.0 == x: other tokens and rows unchanged
+            logits = apply_grammar_bound(logits, *meta.grammar)
         if meta.banned_index is not None:
             banned = logits.index_put(meta.banned_index, torch.tensor(float("-inf"), device=logits.device))
             if meta.grammar is not None:
