@@ -8,6 +8,7 @@ where engine/grammar.py compiles them and keeps one matcher per sequence.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import llguidance
@@ -21,6 +22,9 @@ MAX_SPEC_CHARS = 256 * 1024
 # max_tokens, a well-known failure of JSON mode; a bound keeps pretty-printed JSON possible.
 DEFAULT_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# A GBNF rule definition at the start of a line ("root ::= ..."); [ \t] never spans lines, so
+# the search stays linear (llguidance's own dialect detection is quadratic).
+_GBNF_RULE = re.compile(r"^[ \t]*[\w-]+[ \t]*::=", re.MULTILINE)
 
 
 @dataclass(slots=True)
@@ -84,7 +88,7 @@ class StructuredOutputsParams:
             return llguidance.grammar_from("choice", self.choice)
         # GBNF (llama.cpp's) has "::=" where Lark has ":" (llguidance's own detection of the
         # dialect takes quadratic time on long inputs).
-        grammar = gbnf_to_lark(self.grammar) if "::=" in self.grammar else self.grammar
+        grammar = gbnf_to_lark(self.grammar) if _GBNF_RULE.search(self.grammar) else self.grammar
         return llguidance.LLMatcher.grammar_from_lark(grammar)
 
     def _json_options(self) -> dict:

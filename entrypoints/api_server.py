@@ -66,6 +66,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def _decodes_like_the_core(params: SamplingParams) -> None:
+    msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+
+
 def _chat_message(index: int, message) -> dict:
     """A message as the chat template sees it: content parts (OpenAI's list form) must be
     text, and are joined; anything else is a 400 naming the part."""
@@ -135,13 +139,16 @@ class OpenAIServer:
             message = str(exc)
             raise APIError(400, message, message.split(" ", 1)[0]) from None
         if params.structured_outputs is not None:
-            try:
+            try:  # (a schema of up to 256 KiB: off the event loop)
                 await self._off_loop(lambda: params.structured_outputs.check(self._grammar_tokenizer()))
             except ValueError as exc:
                 _, field = request.structured_outputs_params()
                 raise APIError(400, f"{field}: {exc}", field) from None
         try:  # exactly what the engine core will decode: nothing it would refuse leaves here
-            msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+            if params.structured_outputs is not None:
+                await self._off_loop(_decodes_like_the_core, params)
+            else:
+                _decodes_like_the_core(params)
         except (msgspec.ValidationError, ValueError) as exc:
             raise APIError(400, f"invalid sampling parameters: {exc}") from None
         return params

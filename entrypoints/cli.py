@@ -354,7 +354,14 @@ def cmd_disagg(args: argparse.Namespace) -> int:
     # beside its decodes, so their inter-token latency stays short.
     threshold = DISAGG_DECODE_PREFILL_CHUNK if args.long_prefill_token_threshold is None \
         else args.long_prefill_token_threshold
-    return run_disagg(args.model_path, args.host, args.port, engine_args, args.prefill_cores, args.decode_cores,
+    model = args.model_path
+    if model is not None and not os.path.exists(model):
+        # A Hugging Face id: found (or downloaded) once, here; both instances load that snapshot
+        # and answer to the id.
+        from engine.worker.loader import resolve_model
+        engine_args += ["--served-model-name", model]
+        model = str(resolve_model(model, args.revision, args.download_dir))
+    return run_disagg(model, args.host, args.port, engine_args, args.prefill_cores, args.decode_cores,
                       proxy_args, core_lending=args.core_lending,
                       decode_args=["--long-prefill-token-threshold", str(threshold)])
 

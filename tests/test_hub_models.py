@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.worker import loader
 from engine.worker.loader import resolve_model
 from tests.conftest import make_tiny_model
 from tests.server_utils import REPO
@@ -69,6 +72,30 @@ def test_a_local_path_wins_over_an_id(hub, tmp_path, monkeypatch, tiny_llama, of
     shutil.copytree(tiny_llama, local)
     monkeypatch.chdir(tmp_path)
     assert resolve_model("tiny-org/tiny-llama", download_dir=str(hub / "hub")) == local
+
+
+def test_a_hub_that_never_answers_costs_a_bounded_wait_then_the_cache(hub, monkeypatch):
+    """A network that swallows packets (a socket that accepts and never answers): the cached
+    snapshot is used after loader.HUB_TIMEOUT_S, not never."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    monkeypatch.setattr(loader, "HUB_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    try:
+        assert resolve_model("tiny-org/tiny-llama", download_dir=str(hub / "hub")) == hub_dir_snapshot(hub, "a")
+    finally:
+        silent.close()
+    assert time.monotonic() - start < 10
+
+
+def test_a_missing_local_checkpoint_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, offline):
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        resolve_model("out/ckpt-1000")
 
 
 def test_an_unknown_id_names_the_id_and_what_was_tried(hub, offline):

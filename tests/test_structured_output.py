@@ -116,6 +116,7 @@ def test_limits_and_null_options():
     with pytest.raises(ValueError, match="^json: not valid JSON"):
         SO(json="[" * 100_000)
     SO(grammar='root ::= "yes" | "no"').check()  # GBNF as well as Lark
+    SO(grammar='start: "a" "::=" "b"').check()  # Lark, though "::=" appears in it
     with pytest.raises(ValueError, match="^grammar"):
         SO(grammar="root ::= missing").check()
 

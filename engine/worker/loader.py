@@ -83,8 +83,12 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"Package {DEFAULT_MODEL_PACKAGE} has no .gguf file on disk. {hint}")
 
 
-# What a snapshot download fetches: configs, tokenizer files, weights (never other formats).
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.gguf", "*.jinja"]
+# What a snapshot download fetches: configs, tokenizer files and safetensors weights. Not GGUF
+# files (a GGUF repository holds many quantizations: download the one you want and pass its
+# path), nor the duplicate original/consolidated checkpoints some repositories carry.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+_HUB_IGNORED = ["original/*", "consolidated*"]
+HUB_TIMEOUT_S = 10.0  # asking the Hub which commit a revision names; then the cache is used
 
 
 def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
@@ -96,15 +100,15 @@ def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
     path = Path(os.path.abspath(Path(model).expanduser()))
     if not path.exists():
         text = str(model)
-        if os.path.isabs(text) or text.startswith((".", "~")) or text.endswith(".gguf"):  # meant as a path
+        # Meant as a path (a mistyped checkpoint directory must not turn into a download).
+        if os.path.isabs(text) or text.startswith((".", "~")) or text.endswith(".gguf") or \
+                Path(text.split("/", 1)[0]).exists():
             raise FileNotFoundError(f"Model {text!r} not found: no such file or directory ({path}).")
         path = _hub_snapshot(text, revision, download_dir)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1 and _is_hub_snapshot(path):  # a GGUF repository: its one file
-            return _converted_gguf(ggufs[0])
         hint = f" Pass the .gguf file itself, e.g. {ggufs[0]}." if ggufs else ""
         raise ValueError(f"Model directory {path} has no config.json.{hint}")
     with open(path, "rb") as f:
@@ -116,20 +120,27 @@ def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
     return _converted_gguf(path)
 
 
-def _is_hub_snapshot(path: Path) -> bool:
-    return path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--")
-
-
 def _hub_snapshot(model_id: str, revision: str | None, download_dir: str | os.PathLike | None) -> Path:
-    """The local snapshot of a Hugging Face model id (downloaded unless HF_HUB_OFFLINE=1)."""
-    from huggingface_hub import snapshot_download
+    """The local snapshot of a Hugging Face model id: the Hub says which commit the revision
+    names (within HUB_TIMEOUT_S: huggingface_hub itself would wait forever on a network that
+    swallows packets), it is downloaded unless cached; offline or unreachable, the cache."""
+    from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import HFValidationError
-    from huggingface_hub import constants
 
     tried = f"no local path {os.path.abspath(model_id)}"
     try:
-        return Path(snapshot_download(model_id, revision=revision, cache_dir=download_dir,
-                                      allow_patterns=_HUB_PATTERNS))
+        commit, cached_only = revision, bool(constants.HF_HUB_OFFLINE)
+        if not cached_only:
+            try:
+                commit = HfApi().model_info(model_id, revision=revision, timeout=HUB_TIMEOUT_S).sha or revision
+            except HFValidationError:
+                raise
+            except Exception as exc:  # no network, a timeout, unknown or gated: the cache may have it
+                logger.warning("cannot ask the Hugging Face Hub about %s (%s: %s); looking in the cache", model_id,
+                               type(exc).__name__, exc)
+                cached_only = True
+        return Path(snapshot_download(model_id, revision=commit, cache_dir=download_dir, allow_patterns=_HUB_PATTERNS,
+                                      ignore_patterns=_HUB_IGNORED, local_files_only=cached_only))
     except HFValidationError:
         raise FileNotFoundError(f"Model {model_id!r} not found: {tried}, and it is not a Hugging Face model id "
                                 "(ORG/NAME). Pass a local directory with config.json, a .gguf file or a model id.") \

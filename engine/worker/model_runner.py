@@ -82,10 +82,12 @@ class ModelRunner:
 
         start = time.perf_counter()
         torch.manual_seed(config.seed)
-        # Built on the meta device so no time goes into random init, then filled by load_weights.
+        # Built on the meta device so no time goes into random init, given its dtype there (free)
+        # so memory is allocated once, in that dtype (never an fp32 copy of a bf16 model on the
+        # way), then filled tensor by tensor by load_weights.
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, self.backend)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = model.to(self.dtype).to_empty(device=self.device)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rope_tables(self.device)
