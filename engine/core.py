@@ -21,7 +21,7 @@ from engine.core_lending import core_lending
 from engine.kv_events import KVEventPublisher
 from engine.errors import InvalidRequestError, PrefillElsewhere
 from engine.ipc import (Ack, AbortRequests, AddRequest, ChoiceDelta, EngineDead, EngineInfo, EngineStats,
-                        Outputs, RequestDelta, Shutdown, TierStats, ToCore)
+                        Outputs, RequestDelta, Shutdown, TierStats, ToCore, remove_ipc_dir)
 from engine.llm_engine import LLMEngine, OutputKind
 from engine.outputs import RequestOutput
 
@@ -143,6 +143,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
         pull.close()
         push.close()
         ctx.term()
+        remove_ipc_dir(input_addr)  # the server's too, should it have been killed
 
 
 def _malloc_trim() -> None:

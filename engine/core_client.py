@@ -12,15 +12,14 @@ import multiprocessing
 import os
 import tempfile
 import time
-import uuid
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.ipc import (AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats, FromCore, Outputs,
-                        RequestDelta, Shutdown)
+from engine.ipc import (IPC_DIR_PREFIX, AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats,
+                        FromCore, Outputs, RequestDelta, Shutdown, remove_ipc_dir, remove_stale_ipc_dirs)
 from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
@@ -64,11 +63,24 @@ class AsyncEngineClient:
         self.on_dead = None  # callback(str), e.g. to stop the HTTP server
         self._closed = False
         self.on_stats = None  # callback(EngineStats) for every stats message
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push = self._pull = None
+        self._ipc_dir: str | None = None
 
     async def start(self, timeout: float = 600.0) -> EngineInfo:
+        try:
+            return await self._start(timeout)
+        except BaseException:
+            await self.shutdown()  # a core that failed to start leaves no process or socket behind
+            raise
+
+    async def _start(self, timeout: float) -> EngineInfo:
         self._ctx = zmq.asyncio.Context()
-        base = os.path.join(tempfile.gettempdir(), f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        input_addr, output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        # A private (0700) directory: only this user's processes can reach the core's sockets.
+        # Removed by shutdown(), and by the core when it exits (in case this process was killed).
+        remove_stale_ipc_dirs()
+        self._ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
+        input_addr, output_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
         self._push = self._ctx.socket(zmq.PUSH)
         self._pull = self._ctx.socket(zmq.PULL)
         for sock in (self._push, self._pull):
@@ -200,9 +212,13 @@ class AsyncEngineClient:
                 logger.warning("engine core did not stop in %.0fs; killing it", timeout)
                 process.kill()
             process.join(1)
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
-        self._ctx.term()
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._ipc_dir is not None:
+            remove_ipc_dir(f"ipc://{self._ipc_dir}/in")
 
 
 class RequestStream:

@@ -5,10 +5,50 @@ unpickled or turned into arbitrary objects.
 """
 from __future__ import annotations
 
+import glob
+import os
+import shutil
+import socket
+import tempfile
+import time
+
 import msgspec
 
 from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
+
+# The server binds its two sockets inside a private directory named with this prefix.
+IPC_DIR_PREFIX = "engine-ipc-"
+
+
+def remove_ipc_dir(address: str) -> None:
+    """Removes the private directory of an ``ipc://DIR/name`` address this engine made."""
+    directory = os.path.dirname(address.removeprefix("ipc://"))
+    if os.path.basename(directory).startswith(IPC_DIR_PREFIX):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def is_stale_socket(path: str, min_age_s: float = 60.0) -> bool:
+    """A unix socket file nobody listens on any more (its process was killed). Young files are
+    left alone: a server may be between creating its socket and listening on it."""
+    try:
+        if time.time() - os.lstat(path).st_mtime < min_age_s:
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(path)
+        return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # gone, not a socket, not ours to reach
+        return False
+
+
+def remove_stale_ipc_dirs() -> None:
+    """Directories left by servers killed with their engine core (a crash cleans nothing up)."""
+    for directory in glob.glob(os.path.join(tempfile.gettempdir(), IPC_DIR_PREFIX + "*")):
+        if is_stale_socket(os.path.join(directory, "in")):
+            shutil.rmtree(directory, ignore_errors=True)
+
 
 # (token_id, logprob, rank, decoded token) with the sampled token first.
 LogprobEntry = tuple[int, float, int, str]

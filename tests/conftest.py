@@ -3,14 +3,11 @@ real SmolLM2 model (converted once per session into a temporary cache)."""
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-# One converted copy of the default model per test session unless the caller shares a cache.
-os.environ.setdefault("ENGINE_CACHE_DIR", tempfile.mkdtemp(prefix="engine-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -34,6 +31,16 @@ def make_tiny_model(path: Path, arch: str = "llama", **overrides) -> Path:
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_scratch(tmp_path_factory) -> None:
+    """One converted copy of the default model per session (unless the caller shares a cache)
+    and the logs of the servers the tests start, both under pytest's temporary root, which
+    keeps the last three sessions only: a test run leaves no more than that behind."""
+    if not os.environ.get("ENGINE_CACHE_DIR"):
+        os.environ["ENGINE_CACHE_DIR"] = str(tmp_path_factory.mktemp("engine-cache"))
+    os.environ["ENGINE_TEST_LOG_DIR"] = str(tmp_path_factory.mktemp("server-logs"))
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
 from engine.kv_transfer.secret import ENV_VAR, new_secret
-from tests.server_utils import HTTP, REPO, ServerProcess, free_port
+from tests.server_utils import HTTP, REPO, ServerProcess, free_port, log_dir
 
 
 class ProxyProcess:
@@ -26,7 +25,7 @@ class ProxyProcess:
             cmd += ["--prefill", url]
         for url in decode_urls:
             cmd += ["--decode", url]
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"engine-proxy-{self.port}.log"
+        self.log_path = log_dir() / f"engine-proxy-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 # ~40 ms of CPU, which readiness and idle polls would take from the servers they wait on. No
 # keep-alive: each call connects afresh, as httpx.get does, so no connection outlives a server.
 HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def log_dir() -> Path:
+    """Where test servers write their logs: the session's directory (conftest) or the temp dir."""
+    return Path(os.environ.get("ENGINE_TEST_LOG_DIR") or tempfile.gettempdir())
 
 
 def free_port() -> int:
@@ -49,7 +55,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "entrypoints.cli", "serve", *args, "--port", str(self.port)]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"engine-serve-{self.port}.log"
+        self.log_path = log_dir() / f"engine-serve-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -17,6 +17,8 @@ token, so it loads the whole prompt's KV and recomputes nothing.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
 import socket
@@ -24,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import KVTransferConfig
+from engine.ipc import is_stale_socket
 from engine.kv_transfer.base import KVConnectorScheduler
 from engine.kv_transfer.params import KVTransferParams, token_digest
 from engine.outputs import SchedulerOutput
@@ -44,6 +47,14 @@ def host_id() -> str:
 
 def ipc_path(port: int) -> str:
     return f"ipc:///tmp/engine-kv-{port}.sock"
+
+
+def remove_stale_kv_sockets() -> None:
+    """Socket files of KV servers that were killed (libzmq never removes an ipc file itself)."""
+    for path in glob.glob("/tmp/engine-kv-*.sock"):
+        if is_stale_socket(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_LOAD_TIMEOUT_S = 30.0

@@ -30,6 +30,7 @@ the KV budget); further pulls wait in FIFO order.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from engine.kv_transfer.p2p import SendSpec, ipc_path
+from engine.kv_transfer.p2p import SendSpec, ipc_path, remove_stale_kv_sockets
 from engine.kv_transfer.p2p_wire import (
     DEFAULT_CHUNK_BYTES, FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, PROTOCOL_VERSION, Auth, Challenge, Chunk,
     ChunkLayout, Hello, HelloReply, Pull, Refused, Release, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage,
@@ -181,6 +182,7 @@ class P2PProducer:
         if self._encrypt:  # on every endpoint of this socket
             sock.curve_secretkey = curve_keys(self._secret, "server")[1]
             sock.curve_server = True
+        remove_stale_kv_sockets()
         try:
             sock.bind(f"tcp://{self.bind_ip}:{self.port}")
             sock.bind(ipc_path(self.port))
@@ -212,6 +214,8 @@ class P2PProducer:
                     wait_ms = 100
         finally:
             sock.close(linger=0)
+            with contextlib.suppress(FileNotFoundError):  # libzmq leaves the socket file behind
+                os.unlink(ipc_path(self.port).removeprefix("ipc://"))
 
     def _receive(self) -> bool:
         for _ in range(MAX_MESSAGES_PER_ROUND):

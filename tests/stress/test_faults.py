@@ -269,7 +269,7 @@ def test_sigterm_under_load(stress_model):
     jobs = make_jobs(10, seed=3, max_prompt=400, disconnect_fraction=0.0)
     for job in jobs:
         job.max_tokens = 400
-    sockets_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-*-in")))
+    sockets_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-ipc-*")))
     try:
         task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(server.url, jobs, rate=50.0, deadline_s=60))
         wait_for(lambda: _busy(server), state=server.status)  # the streams are open
@@ -282,9 +282,59 @@ def test_sigterm_under_load(stress_model):
         while pid_alive(server.engine_pid):
             assert time.monotonic() < deadline, "engine core outlived the server"
             time.sleep(0.05)
-        assert set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-*-in"))) <= sockets_before
+        assert set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-ipc-*"))) <= sockets_before
     finally:
         server.stop()
+
+
+def test_a_killed_server_leaves_no_sockets(stress_model):
+    """The API process dies by SIGKILL (no cleanup of its own): its engine core notices, stops,
+    and removes both the private directory of their sockets and the KV server's ipc socket."""
+    import glob
+    import tempfile
+    ipc_dirs = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-ipc-*")))  # noqa: E731
+    before = ipc_dirs()
+    kv_port = free_port()
+    kv_socket = Path(tempfile.gettempdir()) / f"engine-kv-{kv_port}.sock"
+    server = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(kv_port))
+    try:
+        ours = ipc_dirs() - before
+        assert len(ours) == 1 and kv_socket.exists()
+        assert os.stat(ours.pop()).st_mode & 0o077 == 0  # private: no other user reaches the core
+        server.proc.kill()
+        server.proc.wait(10)
+        wait_for(lambda: not pid_alive(server.engine_pid), timeout=15)
+        assert ipc_dirs() <= before and not kv_socket.exists()
+    finally:
+        server.stop()
+
+
+def test_a_crash_leaves_nothing_the_next_start_keeps(stress_model):
+    """Server and engine core both SIGKILLed leave their socket files; the next server to start
+    removes them (nobody listens on them) and nothing of a live server."""
+    import glob
+    import tempfile
+    from engine.ipc import IPC_DIR_PREFIX
+    ipc_dirs = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), IPC_DIR_PREFIX + "*")))  # noqa: E731
+    kv_port = free_port()
+    kv_socket = Path(tempfile.gettempdir()) / f"engine-kv-{kv_port}.sock"
+    before = ipc_dirs()
+    live = ServerProcess(str(stress_model), *ARGS)
+    with_live = ipc_dirs()
+    crashed = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(kv_port))
+    try:
+        (live_dir,), (crashed_dir,) = with_live - before, ipc_dirs() - with_live
+        crashed.kill()
+        assert kv_socket.exists() and os.path.isdir(crashed_dir)  # a crash cleans nothing up
+        for path in (kv_socket, Path(crashed_dir) / "in", Path(live_dir) / "in"):
+            os.utime(path, (time.time() - 120, time.time() - 120))  # past the grace for young sockets
+        ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(free_port())).stop()
+        assert not kv_socket.exists() and not os.path.exists(crashed_dir)
+        assert os.path.isdir(live_dir)  # a live server's are kept
+        live.wait_idle()  # and it still answers
+    finally:
+        live.stop()
+        crashed.stop()
 
 
 def test_n_is_admitted_all_or_nothing(stress_model):
