@@ -46,7 +46,7 @@ from engine.scheduler import Scheduler
 from engine.worker import loader
 from engine.worker.backends import KV_LAYOUT
 from engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
-from engine.worker.models.llama import ModelConfig
+from engine.worker.models import ModelConfig, model_config_from_hf
 
 logger = logging.getLogger("engine")
 
@@ -123,7 +123,7 @@ class LLMEngine:
         uses_p2p = transfer is not None and transfer.kv_connector == "p2p"
         if transfer is not None and transfer.kv_connector not in (None, "p2p"):
             raise ValueError(f"unknown kv_connector {transfer.kv_connector!r}; available: p2p")
-        model_config = ModelConfig.from_hf(hf_config)
+        model_config = model_config_from_hf(hf_config)
         dtype = resolve_dtype(config.dtype, resolve_device(config.device))
         # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
         # (Every attention backend shares it, so a CPU prefill and a flash-attn decode of the same

@@ -18,18 +18,19 @@ TINY_COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_
 
 def make_tiny_model(path: Path, arch: str = "llama", **overrides) -> Path:
     """Save a tiny random HF model of the given family (with the SmolLM2 tokenizer) to `path`."""
-    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    import transformers as tf
     from engine.worker.loader import resolve_model
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "mistral": (MistralConfig, MistralForCausalLM)}
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+               "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+               "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}
     config_cls, model_cls = classes[arch]
     config = config_cls(**{**TINY_COMMON, **overrides})
     torch.manual_seed(0)
     model = model_cls(config).eval()
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(path)
+    tf.AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(path)
     return path
 
 

@@ -194,13 +194,13 @@ def test_lost_rename_race_uses_winner(tmp_path, monkeypatch):
     path = tmp_path / "fake.gguf"
     path.write_bytes(b"GGUF" + bytes(100))
 
-    def convert(gguf_path, out_dir, key):
+    def convert(gguf_path, out_dir, metadata):
         (out_dir / "config.json").write_text('{"who": "loser"}')
-        winner = tmp_path / "cache" / "models" / f"{gguf_path.stem}-{key}"
+        winner = tmp_path / "cache" / "models" / f"{gguf_path.stem}-{metadata['gguf_key']}"
         winner.mkdir()
         (winner / "config.json").write_text('{"who": "winner"}')
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(loader.gguf_convert, "convert", convert)
     result = loader.resolve_model(path)
     assert loader.load_hf_config(result) == {"who": "winner"}
     assert [p.name for p in result.parent.iterdir()] == [result.name]

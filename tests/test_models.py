@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import HFReference, assert_engine_idle, make_tiny_model
@@ -19,19 +20,47 @@ def _candidates(seed: int = 0) -> list[list[int]]:
 
 def _check_family(model_dir) -> None:
     """Exact greedy equality with transformers on 4 prompts of different lengths whose reference
-    path has no near-ties (a tie can legitimately break either way under float reordering)."""
+    path has no near-ties (a tie can legitimately break either way under float reordering), and
+    at every generated position the top-5 log-probabilities within 1e-3 of transformers'."""
     hf = HFReference(model_dir)
     prompts, expected = hf.well_conditioned(_candidates(), MAX_TOKENS, count=4)
     llm = LLM(str(model_dir), num_blocks=128)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                   logprobs=5), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert len(set(expected[0])) > 3, "reference output is degenerate; the comparison would be weak"
+    for prompt, tokens, output in zip(prompts, expected, outputs):
+        with torch.no_grad():
+            logits = hf.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        reference = torch.log_softmax(logits.float(), dim=-1)
+        for position, top in enumerate(output.outputs[0].logprobs):
+            ids = list(top)
+            ours = torch.tensor([top[i].logprob for i in ids])
+            torch.testing.assert_close(ours, reference[position, ids], atol=1e-3, rtol=0)
     assert_engine_idle(llm)
 
 
+# Gemma's defaults (head_dim 256, window 4096) are shrunk so that a 200-token prompt crosses
+# several windows; Gemma 3 gets one sliding and one global layer, and linear rope scaling on
+# the global one, so both of its rope tables are exercised.
+# Untied: with tied, sqrt(hidden)-scaled random embeddings make the tiny models repeat one token.
+GEMMA_TINY = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24, hidden_activation="gelu_pytorch_tanh",
+                  tie_word_embeddings=False)
 FAMILIES = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama3.2-tied-rope-scaling": ("llama", dict(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3-sliding-upper-layers": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=24,
+                                                 max_window_layers=1)),
+    "gemma2-softcap-alternating": ("gemma2", dict(GEMMA_TINY, final_logit_softcapping=3.0,
+                                                  attn_logit_softcapping=2.0)),
+    "gemma3-local-rope-qk-norm": ("gemma3", dict(GEMMA_TINY, layer_types=["sliding_attention", "full_attention"],
+                                                 rope_scaling=dict(rope_type="linear", factor=8.0),
+                                                 rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)),
+    "phi3-partial-rotary-window": ("phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5,
+                                                sliding_window=24, pad_token_id=0)),
     "llama3-rope-scaling": ("llama", dict(tie_word_embeddings=False, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64))),
@@ -57,5 +86,5 @@ def test_unsupported_architecture_names_supported_ones(tmp_path, tiny_llama):
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM.*Gemma3ForCausalLM.*Phi3"):
         LLM(str(tmp_path / "m"), num_blocks=16)

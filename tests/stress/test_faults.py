@@ -287,54 +287,51 @@ def test_sigterm_under_load(stress_model):
         server.stop()
 
 
-def test_a_killed_server_leaves_no_sockets(stress_model):
-    """The API process dies by SIGKILL (no cleanup of its own): its engine core notices, stops,
-    and removes both the private directory of their sockets and the KV server's ipc socket."""
-    import glob
-    import tempfile
-    ipc_dirs = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-ipc-*")))  # noqa: E731
-    before = ipc_dirs()
-    kv_port = free_port()
-    kv_socket = Path(tempfile.gettempdir()) / f"engine-kv-{kv_port}.sock"
-    server = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(kv_port))
-    try:
-        ours = ipc_dirs() - before
-        assert len(ours) == 1 and kv_socket.exists()
-        assert os.stat(ours.pop()).st_mode & 0o077 == 0  # private: no other user reaches the core
-        server.proc.kill()
-        server.proc.wait(10)
-        wait_for(lambda: not pid_alive(server.engine_pid), timeout=15)
-        assert ipc_dirs() <= before and not kv_socket.exists()
-    finally:
-        server.stop()
+def _stale_socket(path: Path) -> None:
+    """A unix socket file nobody listens on, as a SIGKILLed process leaves it, two minutes old."""
+    import socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))
+    os.utime(path, (time.time() - 120, time.time() - 120))
 
 
-def test_a_crash_leaves_nothing_the_next_start_keeps(stress_model):
-    """Server and engine core both SIGKILLed leave their socket files; the next server to start
-    removes them (nobody listens on them) and nothing of a live server."""
+def test_killed_servers_leave_no_sockets_behind(stress_model, tmp_path):
+    """Socket files of a crash (server and core SIGKILLed) are removed by the next start, and
+    nothing of a live server is. When only the API process is SIGKILLed, its engine core notices,
+    stops, and removes the private directory of their sockets and the KV server's ipc socket."""
     import glob
     import tempfile
     from engine.ipc import IPC_DIR_PREFIX
-    ipc_dirs = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), IPC_DIR_PREFIX + "*")))  # noqa: E731
+    tmp = Path(tempfile.gettempdir())
+    ipc_dirs = lambda: set(glob.glob(str(tmp / (IPC_DIR_PREFIX + "*"))))  # noqa: E731
+    crashed_dir = Path(tempfile.mkdtemp(prefix=IPC_DIR_PREFIX))
+    _stale_socket(crashed_dir / "in")
+    crashed_kv_socket = tmp / f"engine-kv-{free_port()}.sock"
+    _stale_socket(crashed_kv_socket)
+    before = ipc_dirs() - {str(crashed_dir)}
     kv_port = free_port()
-    kv_socket = Path(tempfile.gettempdir()) / f"engine-kv-{kv_port}.sock"
-    before = ipc_dirs()
+    kv_socket = tmp / f"engine-kv-{kv_port}.sock"
     live = ServerProcess(str(stress_model), *ARGS)
-    with_live = ipc_dirs()
-    crashed = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(kv_port))
+    victim = None
     try:
-        (live_dir,), (crashed_dir,) = with_live - before, ipc_dirs() - with_live
-        crashed.kill()
-        assert kv_socket.exists() and os.path.isdir(crashed_dir)  # a crash cleans nothing up
-        for path in (kv_socket, Path(crashed_dir) / "in", Path(live_dir) / "in"):
-            os.utime(path, (time.time() - 120, time.time() - 120))  # past the grace for young sockets
-        ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(free_port())).stop()
-        assert not kv_socket.exists() and not os.path.exists(crashed_dir)
-        assert os.path.isdir(live_dir)  # a live server's are kept
-        live.wait_idle()  # and it still answers
+        assert not crashed_dir.exists()  # swept at start
+        (live_dir,) = ipc_dirs() - before
+        assert os.stat(live_dir).st_mode & 0o077 == 0  # private: no other user reaches the core
+        # Old enough for the next start's sweep, which must still keep it: the server listens.
+        os.utime(Path(live_dir) / "in", (time.time() - 120, time.time() - 120))
+        victim = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(kv_port))
+        assert os.path.isdir(live_dir) and len(ipc_dirs() - before) == 2 and kv_socket.exists()
+        assert not crashed_kv_socket.exists()  # swept by the start of a KV server
+        victim.proc.kill()
+        victim.proc.wait(10)
+        wait_for(lambda: not pid_alive(victim.engine_pid), timeout=15)
+        assert len(ipc_dirs() - before) == 1 and not kv_socket.exists()
+        live.wait_idle()  # the live server still answers
     finally:
         live.stop()
-        crashed.stop()
+        if victim is not None:
+            victim.stop()
+    assert ipc_dirs() <= before
 
 
 def test_n_is_admitted_all_or_nothing(stress_model):

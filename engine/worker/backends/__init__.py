@@ -15,7 +15,8 @@ logger = logging.getLogger("engine.worker")
 AUTO_ORDER = ("flash_attn", "xformers", "torch")  # fastest first
 
 
-def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                       softcap: float | None = None) -> str | None:
     """Why backend ``name`` cannot run here, or None if it can."""
     if name == "torch":
         return None
@@ -27,18 +28,21 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, head
         return f"{name} is not installed (pip install -e .[cuda])"
     if name == "flash_attn" and dtype not in (torch.float16, torch.bfloat16):
         return f"flash_attn needs float16 or bfloat16, not {dtype}"
+    if name == "xformers" and softcap is not None:
+        return "xformers cannot soft-cap attention scores (Gemma 2)"
     if name == "flash_attn" and head_dim > 256:
         return f"flash_attn supports head_dim up to 256, not {head_dim}"
     return None
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int,
+                   softcap: float | None = None):
     """The backend instance for ``--attention-backend name`` (``auto``: the fastest that can run)."""
     if name == "auto":
-        name = next(n for n in AUTO_ORDER if unavailable_reason(n, device, dtype, head_dim) is None)
+        name = next(n for n in AUTO_ORDER if unavailable_reason(n, device, dtype, head_dim, softcap) is None)
         logger.info("attention backend: %s (auto, %s %s)", name, device.type, str(dtype).removeprefix("torch."))
     else:
-        reason = unavailable_reason(name, device, dtype, head_dim)
+        reason = unavailable_reason(name, device, dtype, head_dim, softcap)
         if reason is not None:
             raise ValueError(f"--attention-backend {name}: {reason}")
     if name == "flash_attn":

@@ -21,11 +21,12 @@ class FlashAttnBackend:
     kv_cache_shape = staticmethod(kv_cache_shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         write_kv(kv_cache, k, v, meta.slot_mapping)
         varlen = meta.varlen
         window = (varlen.sliding_window - 1, 0) if varlen.sliding_window else (-1, -1)
         keys, values = gather_kv(kv_cache[0], kv_cache[1], varlen)
         return self._varlen(q, keys, values, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q,
-                            varlen.max_seqlen_k, softmax_scale=scale, causal=True, window_size=window)
+                            varlen.max_seqlen_k, softmax_scale=scale, causal=True, window_size=window,
+                            softcap=softcap or 0.0)

@@ -21,7 +21,8 @@ class XFormersBackend:
     kv_cache_shape = staticmethod(kv_cache_shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+        assert softcap is None, "xformers cannot soft-cap attention scores (refused at selection)"
         write_kv(kv_cache, k, v, meta.slot_mapping)
         varlen = meta.varlen
         keys, values = gather_kv(kv_cache[0], kv_cache[1], varlen)

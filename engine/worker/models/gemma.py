@@ -1,0 +1,95 @@
+"""Gemma 2 and Gemma 3 text models: Llama's attention and gated MLP (GeLU-tanh) with Gemma's
+habits — embeddings scaled by sqrt(hidden), RMSNorm weights stored as (w - 1), a norm after
+attention and after the MLP as well as before them, attention scaled by
+``query_pre_attn_scalar``, and layers alternating between a sliding window and global attention
+(Gemma 2 every other layer, Gemma 3 five sliding to one global). Gemma 2 soft-caps attention
+scores and logits with tanh; Gemma 3 instead normalizes each query and key head and gives its
+sliding layers their own rope base."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.worker.models.config import (ModelConfig, base_config, check_activation, rope_settings,
+                                         windows_from_layer_types)
+from engine.worker.models.layers import MLP, Attention
+from engine.worker.models.llama import LlamaForCausalLM
+
+ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+class GemmaRMSNorm(nn.Module):
+    """Scales by (1 + weight), in float32, and only then casts back (Llama casts first)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend, layer_index: int) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Attention(cfg, backend, layer_index, norm_class=GemmaRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, h, rope, kv_cache, metas):
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv_cache, metas))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    layer_class = GemmaDecoderLayer
+    norm_class = GemmaRMSNorm
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        # The normalizer is rounded to the model's dtype first, as in transformers.
+        return h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+
+Model = GemmaForCausalLM
+
+
+def config_from_hf(cfg: dict, arch: str) -> ModelConfig:
+    act = check_activation(cfg, "hidden_activation", ("gelu_pytorch_tanh",))
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not a causal LM")
+    layers = cfg["num_hidden_layers"]
+    gemma3 = arch == "Gemma3ForCausalLM"
+    pattern = cfg.get("sliding_window_pattern", 6 if gemma3 else 2)
+    default_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    windows = windows_from_layer_types(cfg, cfg.get("sliding_window", 4096), default_types)
+    family = dict(hidden_act=act, tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                  attn_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5, layer_windows=windows,
+                  attn_softcap=cfg.get("attn_logit_softcapping"), final_softcap=cfg.get("final_logit_softcapping"))
+    if gemma3:
+        # Global layers: rope_theta (with any scaling); sliding ones: their own base, unscaled.
+        per_type = cfg.get("rope_parameters") or {}
+        if "full_attention" in per_type:
+            full, local = per_type["full_attention"], per_type.get("sliding_attention") or {}
+            family["rope"] = rope_settings({"rope_parameters": full})
+            family["local_rope_theta"] = float(local.get("rope_theta", 10_000.0))
+        else:
+            family["rope"] = rope_settings({"rope_theta": cfg.get("rope_theta", 1_000_000.0),
+                                            "rope_scaling": cfg.get("rope_scaling")})
+            family["local_rope_theta"] = float(cfg.get("rope_local_base_freq", 10_000.0))
+        family["qk_norm"] = True
+    return base_config(cfg, arch, **family)
