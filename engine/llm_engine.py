@@ -112,18 +112,18 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
         hf_config = loader.load_hf_config(model_dir)
         self.eos_token_ids = self._eos_token_ids(hf_config, loader.load_generation_config(model_dir))
-        model_max = hf_config.get("max_position_embeddings", 2048)
+        model_config = model_config_from_hf(hf_config)
+        model_max = model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's "
                              f"max_position_embeddings={model_max}")
         self.max_model_len = config.max_model_len or model_max
-        self.vocab_size = hf_config["vocab_size"]
+        self.vocab_size = model_config.vocab_size
 
         transfer = config.kv_transfer_config
         uses_p2p = transfer is not None and transfer.kv_connector == "p2p"
         if transfer is not None and transfer.kv_connector not in (None, "p2p"):
             raise ValueError(f"unknown kv_connector {transfer.kv_connector!r}; available: p2p")
-        model_config = model_config_from_hf(hf_config)
         dtype = resolve_dtype(config.dtype, resolve_device(config.device))
         # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
         # (Every attention backend shares it, so a CPU prefill and a flash-attn decode of the same

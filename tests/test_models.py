@@ -88,3 +88,22 @@ def test_unsupported_architecture_names_supported_ones(tmp_path, tiny_llama):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM.*Gemma3ForCausalLM.*Phi3"):
         LLM(str(tmp_path / "m"), num_blocks=16)
+
+
+def test_gemma3_image_text_checkpoint_serves_its_text_model(tmp_path, smollm2_dir):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: nested text_config, weights
+    under language_model., a vision tower the engine skips. (Released ones tie the output to the
+    embedding; untied here, as a tied random model repeats one token, so lm_head's name is
+    exercised too.)"""
+    import transformers as tf
+    from tests.conftest import TINY_COMMON
+    text = {**TINY_COMMON, **GEMMA_TINY, "layer_types": ["sliding_attention", "full_attention"]}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=16)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                             image_token_index=49151, boi_token_index=49150, eoi_token_index=49149,
+                             tie_word_embeddings=False)
+    torch.manual_seed(0)
+    tf.Gemma3ForConditionalGeneration(config).eval().save_pretrained(tmp_path)
+    tf.AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(tmp_path)
+    _check_family(tmp_path)

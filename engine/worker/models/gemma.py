@@ -15,7 +15,11 @@ from engine.worker.models.config import (ModelConfig, base_config, check_activat
 from engine.worker.models.layers import MLP, Attention
 from engine.worker.models.llama import LlamaForCausalLM
 
-ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Gemma 3 4B and up ship as image-text models: the text model inside is served, the vision tower
+# and projector are not loaded (prompts are text).
+ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -57,6 +61,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
         # The normalizer is rounded to the model's dtype first, as in transformers.
         return h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        if name.startswith(_VISION_PREFIXES):
+            return None
+        for prefix in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                return name.removeprefix(prefix)
+        return name
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         cap = self.config.final_softcap
@@ -69,6 +82,10 @@ Model = GemmaForCausalLM
 
 
 def config_from_hf(cfg: dict, arch: str) -> ModelConfig:
+    if arch == "Gemma3ForConditionalGeneration":
+        # The text model's settings; its output is tied to the embedding unless the outer config says not.
+        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+        arch = "Gemma3ForCausalLM"
     act = check_activation(cfg, "hidden_activation", ("gelu_pytorch_tanh",))
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not a causal LM")

@@ -76,6 +76,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [num_rows, vocab]
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """A checkpoint tensor's name in this module, or None for one the engine does not use."""
+        return None if "rotary_emb" in name else name.removeprefix("model.")
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors, packing q/k/v and gate/up into their fused projections."""
@@ -87,10 +92,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            name = name.removeprefix("model.")
-            if cfg.tie_word_embeddings and name == "lm_head.weight":
+            name = self.checkpoint_name(name)
+            if name is None or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             parts = name.split(".")
             target, start, size = name, None, None
@@ -109,4 +112,6 @@ class LlamaForCausalLM(nn.Module):
         missing = {n for n in expected if n not in loaded and not any(k.startswith(n + "[") for k in loaded)}
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+
 Model = LlamaForCausalLM
