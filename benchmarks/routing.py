@@ -1,7 +1,8 @@
 """Routing across replicas on real work: multi-turn chats through `engine proxy --instance ...`.
 
-Four `engine serve` instances, each with a KV pool too small to hold every conversation
-(--num-blocks, default 48 blocks = 768 tokens), behind `engine proxy --routing POLICY`, for
+Four `engine serve` instances (pinned round-robin to this host's cores, one torch thread each),
+each with a KV pool too small to hold every conversation (--num-blocks, default 48 blocks = 768
+tokens), behind `engine proxy --routing POLICY`, for
 kv-aware, least-loaded and round-robin; then one instance with 4x the pool, no proxy, as the
 reference. The workload: --conversations chats of --turns turns, interleaved (--concurrency
 at a time); every turn resends the whole history (the user's new message plus the model's
@@ -62,8 +63,10 @@ def stop(procs: list[subprocess.Popen]) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def message(rng: random.Random, turn: int) -> str:
-    return f"Turn {turn}. " + " ".join(rng.choice(WORDS) for _ in range(60)) + ". Summarise the above."
+def message(rng: random.Random, turn: int, words: int, first_words: int | None = None) -> str:
+    if turn == 0 and first_words is not None:
+        words = first_words
+    return f"Turn {turn}. " + " ".join(rng.choice(WORDS) for _ in range(words)) + ". Summarise the above."
 
 
 async def chat_turn(http: httpx.AsyncClient, url: str, history: list[dict], max_tokens: int) -> dict:
@@ -87,7 +90,8 @@ async def chat_turn(http: httpx.AsyncClient, url: str, history: list[dict], max_
     return {"ttft": ttft, "text": text, "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "cached": cached}
 
 
-async def run_workload(url: str, conversations: int, turns: int, concurrency: int, max_tokens: int) -> list[dict]:
+async def run_workload(url: str, conversations: int, turns: int, concurrency: int, max_tokens: int,
+                       words: int, first_words: int | None) -> list[dict]:
     rngs = [random.Random(1000 + c) for c in range(conversations)]
     histories: list[list[dict]] = [[] for _ in range(conversations)]
     results: list[dict] = []
@@ -96,11 +100,15 @@ async def run_workload(url: str, conversations: int, turns: int, concurrency: in
         for turn in range(turns):  # interleaved: every conversation takes its turn, then the next round
             async def one(c: int) -> None:
                 async with limit:
-                    histories[c].append({"role": "user", "content": message(rngs[c], turn)})
+                    histories[c].append({"role": "user", "content": message(rngs[c], turn, words, first_words)})
                     result = await chat_turn(http, url, histories[c], max_tokens)
                     histories[c].append({"role": "assistant", "content": result["text"]})
                     results.append(result)
-            await asyncio.gather(*(one(c) for c in range(conversations)))
+            # Conversations come back in a different order every round, as users do (in a fixed
+            # order, round-robin would send each one to the same replica by accident).
+            order = list(range(conversations))
+            random.Random(turn).shuffle(order)
+            await asyncio.gather(*(one(c) for c in order))
     return results
 
 
@@ -136,9 +144,15 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=48, help="KV blocks per replica (the reference gets 4x)")
     parser.add_argument("--instances", type=int, default=4)
     parser.add_argument("--policies", nargs="+", default=["kv-aware", "least-loaded", "round-robin", "single"])
+    parser.add_argument("--words", type=int, default=60, help="words per user message")
+    parser.add_argument("--first-words", type=int, default=None,
+                        help="words in each conversation's first message (default --words): e.g. a document "
+                             "the later turns ask about")
+    parser.add_argument("--kv-load-weight", type=float, default=None, help="the proxy's, if not its default")
     args = parser.parse_args()
     model = [args.model] if args.model else []
     common = ["--max-model-len", "2048", "--max-num-seqs", "16"]
+    cores = sorted(os.sched_getaffinity(0))
     rows = []
     for policy in args.policies:
         procs = []
@@ -148,29 +162,35 @@ def main() -> None:
                 procs.append(proc)
                 wait_healthy(url, proc)
                 results = asyncio.run(run_workload(url, args.conversations, args.turns, args.concurrency,
-                                                   args.max_tokens))
+                                                   args.max_tokens, args.words, args.first_words))
                 rows.append(summarize("single (4x pool)", results, None))
                 continue
             urls = []
-            for _ in range(args.instances):
+            for i in range(args.instances):
                 events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
                           "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+                # Replicas share the host's cores: each is pinned to one, with one torch thread
+                # (unpinned, N replicas' OpenMP teams oversubscribe the cores and all collapse).
                 proc, url = start(["serve", *model, *common, "--num-blocks", str(args.num_blocks),
-                                   "--kv-events-config", json.dumps(events)])
+                                   "--kv-events-config", json.dumps(events),
+                                   "--cpu-cores", str(cores[i % len(cores)]), "--num-threads", "1"])
                 procs.append(proc)
                 urls.append(url)
             for proc, url in zip(procs, urls):
                 wait_healthy(url, proc)
-            proxy, proxy_url = start(["proxy", *[a for u in urls for a in ("--instance", u)], "--routing", policy])
+            weight = ["--kv-load-weight", str(args.kv_load_weight)] if args.kv_load_weight is not None else []
+            proxy, proxy_url = start(["proxy", *[a for u in urls for a in ("--instance", u)], "--routing", policy,
+                                      *weight])
             procs.append(proxy)
             wait_healthy(proxy_url, proxy, timeout=60)
             time.sleep(2)  # the kv-aware proxy subscribes to every instance
             results = asyncio.run(run_workload(proxy_url, args.conversations, args.turns, args.concurrency,
-                                               args.max_tokens))
+                                               args.max_tokens, args.words, args.first_words))
             rows.append(summarize(policy, results, instance_load(urls)))
         finally:
             stop(procs)
-    print(f"\n{args.conversations} conversations x {args.turns} turns, {args.concurrency} at a time, "
+    print(f"\n{args.conversations} conversations x {args.turns} turns ({args.first_words or args.words} words in the "
+          f"first message, {args.words} in the others), {args.concurrency} at a time, "
           f"{args.instances} replicas of {args.num_blocks} blocks each:\n")
     print("| routing | prefix-cache hit rate | TTFT median ms | TTFT p99 ms | load max / mean |")
     print("|---|---|---|---|---|")

@@ -461,8 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="how to pick a decode instance or replica: kv-aware (the one holding most of the "
                          "prompt's KV, from the instances' --kv-events-config events, traded against load), "
                          "least-loaded (default) or round-robin; prefill instances are always least-loaded")
-    px.add_argument("--kv-load-weight", type=float, default=256.0, metavar="TOKENS",
-                    help="kv-aware: cost of one open request on an instance, in uncached prompt tokens (default 256)")
+    px.add_argument("--kv-load-weight", type=float, default=32.0, metavar="TOKENS",
+                    help="kv-aware: cost of one open request on an instance, in uncached prompt tokens (default 32)")
     px.add_argument("--kv-secret-file", default=None, metavar="PATH",
                     help="kv-aware: the deployment secret, to read the instances' KV events (or ENGINE_KV_SECRET)")
     px.add_argument("--timeout", type=float, default=300.0,

@@ -1,13 +1,16 @@
-"""GGUF files of the Qwen3, Gemma 2/3 and Phi-3 architectures load like Llama's.
+"""GGUF files of the Llama 3.x (rope factors), Qwen3, Gemma 2/3 and Phi-3 architectures load.
 
 No such GGUF can be downloaded here, so each test writes one from a tiny random HF model the way
 llama.cpp's convert_hf_to_gguf.py does (gguf-py's tensor-name map for the architecture, Gemma's
-norms stored as 1 + w, the architecture's metadata keys, SmolLM2's tokenizer fields copied), then
+norms stored as 1 + w, Llama's q/k rows permuted and its llama3 rope scaling as a rope_freqs
+tensor of per-frequency divisors, the architecture's metadata keys, SmolLM2's tokenizer fields
+copied), then
 checks two independent things (see the test).
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import gguf
 import numpy as np
@@ -23,11 +26,28 @@ from tests.test_models import FAMILIES, _candidates
 # fixes Gemma's attention scale to head_dim (but for the 27B models), Gemma 3's layer pattern to
 # five sliding then one global, and writes no output tensor for Gemma 2 (always tied).
 # (Qwen2 reads as Qwen3 does, without the q/k norms.)
-CASES = {"qwen3": ("qwen3-qk-norm", {}),
+CASES = {"llama": ("llama3.2-tied-rope-scaling", {}), "qwen3": ("qwen3-qk-norm", {}),
          "gemma2": ("gemma2-softcap-alternating", dict(query_pre_attn_scalar=16, tie_word_embeddings=True)),
          "gemma3": ("gemma3-local-rope-qk-norm", dict(query_pre_attn_scalar=16, num_hidden_layers=6,
                                                       layer_types=None)),
          "phi3": ("phi3-partial-rotary-window", {})}
+
+
+def _llama3_rope_divisors(rope: dict, head_dim: int) -> np.ndarray:
+    """What llama.cpp's converter stores as rope_freqs for llama3 rope scaling."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for wavelen in 2 * math.pi / freqs:
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 @functools.cache
@@ -81,6 +101,8 @@ def write_gguf(model_dir, path, arch: str) -> None:
 
     name_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                         cfg.num_hidden_layers)
+    if arch == "llama" and (rope.get("rope_type") == "llama3"):
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(rope, head_dim))
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         base, suffix = name.rsplit(".", 1)
         if name_map.get_name(base) is None and base == "lm_head":
@@ -88,6 +110,10 @@ def write_gguf(model_dir, path, arch: str) -> None:
         data = tensor.float()
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(
+                data.shape)  # llama.cpp's order for its rope kernel
         writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", np.ascontiguousarray(data.numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -61,6 +61,11 @@ FAMILIES = {
                                                  rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)),
     "phi3-partial-rotary-window": ("phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5,
                                                 sliding_window=24, pad_token_id=0)),
+    # Phi-3.5/Phi-4-mini style: served up to the original context, with the short factors.
+    "phi3.5-longrope": ("phi3", dict(tie_word_embeddings=False, pad_token_id=0, original_max_position_embeddings=256,
+                                     max_position_embeddings=1024, rope_scaling=dict(
+                                         rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5],
+                                         long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0]))),
     "llama3-rope-scaling": ("llama", dict(tie_word_embeddings=False, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64))),

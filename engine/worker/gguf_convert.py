@@ -25,8 +25,9 @@ _LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
                   "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _FUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 _GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
-# Tensors llama.cpp adds that have no HF parameter: rope_freqs is recomputed from the config.
-_SKIPPED = {"rope_freqs.weight"}
+# llama.cpp's per-frequency rope divisors (Llama 3.1+ "llama3" scaling): not a parameter; they go
+# into the config (rope_type "rope_factors") and the engine divides the frequencies by them.
+_ROPE_FACTORS = "rope_freqs.weight"
 
 
 def convert(gguf_path: Path, out_dir: Path, metadata: dict[str, str]) -> None:
@@ -54,6 +55,13 @@ def convert(gguf_path: Path, out_dir: Path, metadata: dict[str, str]) -> None:
     if (rope_theta := (config_json.get("rope_parameters") or {}).get("rope_theta")) is not None:
         config_json.setdefault("rope_theta", rope_theta)
     config_json.update(_settings_transformers_skips(reader, arch, config_json))
+    factors = next((t for t in reader.tensors if t.name == _ROPE_FACTORS), None)
+    if factors is not None:
+        if config_json.get("rope_scaling") or arch != "llama":
+            raise ValueError(f"{gguf_path}: rope_freqs together with other rope scaling is not supported")
+        divisors = gguf.quants.dequantize(factors.data, factors.tensor_type).astype("float64").reshape(-1)
+        config_json["rope_scaling"] = {"rope_type": "rope_factors", "factors": [float(x) for x in divisors]}
+        config_json.pop("rope_parameters", None)
     (out_dir / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -71,7 +79,7 @@ def convert(gguf_path: Path, out_dir: Path, metadata: dict[str, str]) -> None:
     hf_names = _hf_names(gguf, arch, config.num_hidden_layers)
     tensors = {}
     for tensor in reader.tensors:
-        if tensor.name in _SKIPPED:
+        if tensor.name == _ROPE_FACTORS:
             continue
         base, _, suffix = tensor.name.rpartition(".")  # suffix: weight | bias
         if base not in hf_names:  # refuse rather than silently drop a weight the model may need
@@ -114,6 +122,12 @@ def _settings_transformers_skips(reader, arch: str, config: dict) -> dict:
     out = {}
     if (head_dim := field("attention.key_length")) is not None:
         out["head_dim"] = int(head_dim)
+    scaling = field("rope.scaling.type")
+    if scaling not in (None, "none", "linear"):  # e.g. yarn: refused rather than run without it
+        raise ValueError(f"GGUF rope scaling {scaling!r} ({arch}) is not supported; supported: linear")
+    if scaling == "linear" and arch != "gemma3":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
+        out["rope_parameters"] = {**(config.get("rope_parameters") or {}), **out["rope_scaling"]}
     if arch == "phi3":
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         if (rotary := field("rope.dimension_count")) is not None and rotary != head_dim:

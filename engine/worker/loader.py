@@ -141,8 +141,9 @@ def load_generation_config(model_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, CPU tensor) pairs from the directory's weight files."""
+def iter_weights(model_dir: Path, wanted=lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, CPU tensor) pairs from the directory's weight files; safetensors
+    tensors whose name fails ``wanted`` are not read at all (a vision tower the engine skips)."""
     import torch
     from safetensors import safe_open
 
@@ -150,7 +151,8 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         if file.suffix == ".safetensors":
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if wanted(name):
+                        yield name, f.get_tensor(name)
         else:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             if not isinstance(state, dict):

@@ -91,7 +91,7 @@ class ModelRunner:
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rope(self.device)
-        model.load_weights(loader.iter_weights(model_dir))
+        model.load_weights(loader.iter_weights(model_dir, lambda name: model.checkpoint_name(name) is not None))
         if onednn_available(self.device, self.dtype):
             pack_linears(model)
         self.model = model.eval()

@@ -27,6 +27,6 @@ class FlashAttnBackend:
         varlen = meta.varlen
         window = (varlen.sliding_window - 1, 0) if varlen.sliding_window else (-1, -1)
         keys, values = gather_kv(kv_cache[0], kv_cache[1], varlen)
+        extra = {} if softcap is None else {"softcap": softcap}  # flash-attn >= 2.6 only; passed when used
         return self._varlen(q, keys, values, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q,
-                            varlen.max_seqlen_k, softmax_scale=scale, causal=True, window_size=window,
-                            softcap=softcap or 0.0)
+                            varlen.max_seqlen_k, softmax_scale=scale, causal=True, window_size=window, **extra)

@@ -56,7 +56,7 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     if gqa:  # [batch, kv_heads, len, dim] -> one kv head per query head
         groups = query.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    # In place after the matmul: one [heads, queries, keys] buffer plus softmax's float32 one.
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
+    scores.div_(softcap).tanh_().mul_(softcap).masked_fill_(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), values)

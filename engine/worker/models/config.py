@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROPE_TYPES = ("default", "linear", "llama3")
+# rope_factors: per-frequency divisors (how llama.cpp stores llama3 scaling in a GGUF; LongRoPE's
+# short factors), with an optional attention_factor multiplying cos and sin.
+ROPE_TYPES = ("default", "linear", "llama3", "rope_factors")
 
 
 @dataclass(frozen=True)
@@ -103,3 +105,15 @@ def windows_from_layer_types(cfg: dict, window: int | None, default_types: list[
     if unknown:
         raise ValueError(f"unsupported layer_types {sorted(unknown)}")
     return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def qwen_layer_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Qwen2/Qwen3: a sliding window only with ``use_sliding_window``, and then on the layers
+    from ``max_window_layers`` up (transformers' rule), unless ``layer_types`` says otherwise."""
+    layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    if window is None:
+        return (None,) * layers
+    first = cfg.get("max_window_layers", layers)
+    default = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return windows_from_layer_types(cfg, window, default)

@@ -83,8 +83,13 @@ Model = GemmaForCausalLM
 
 def config_from_hf(cfg: dict, arch: str) -> ModelConfig:
     if arch == "Gemma3ForConditionalGeneration":
-        # The text model's settings; its output is tied to the embedding unless the outer config says not.
-        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+        # The text model's settings. Published configs list only what differs from
+        # Gemma3TextConfig's defaults (4B: sizes, layer count, rope scaling, window; not even the
+        # head count or vocabulary), so the defaults come from transformers' own class. Its output
+        # is tied to the embedding unless the outer config says not.
+        from transformers import Gemma3TextConfig
+        text = {k: v for k, v in (cfg.get("text_config") or {}).items() if k not in ("model_type", "architectures")}
+        cfg = {**Gemma3TextConfig(**text).to_dict(), "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
         arch = "Gemma3ForCausalLM"
     act = check_activation(cfg, "hidden_activation", ("gelu_pytorch_tanh",))
     if cfg.get("use_bidirectional_attention"):
@@ -103,6 +108,8 @@ def config_from_hf(cfg: dict, arch: str) -> ModelConfig:
         if "full_attention" in per_type:
             full, local = per_type["full_attention"], per_type.get("sliding_attention") or {}
             family["rope"] = rope_settings({"rope_parameters": full})
+            if rope_settings({"rope_parameters": local})[1] is not None:
+                raise ValueError("unsupported rope scaling on Gemma 3's sliding layers (no released model has it)")
             family["local_rope_theta"] = float(local.get("rope_theta", 10_000.0))
         else:
             family["rope"] = rope_settings({"rope_theta": cfg.get("rope_theta", 1_000_000.0),

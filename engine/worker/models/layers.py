@@ -23,6 +23,11 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     if scaling is None:
         return inv_freq
     rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "rope_factors":
+        divisors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if divisors.shape != inv_freq.shape:
+            raise ValueError(f"rope_factors has {divisors.numel()} entries, the rope {inv_freq.numel()} frequencies")
+        return inv_freq / divisors
     factor = scaling["factor"]
     if rope_type == "linear":
         return inv_freq / factor
@@ -37,26 +42,29 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope_inv_freqs(cfg: ModelConfig, device: torch.device | None) -> dict[str, torch.Tensor]:
-    """Inverse frequencies of each rope the layers use: "global" always, "local" for the
-    sliding layers of a model that gives them their own base (Gemma 3)."""
+def rope_inv_freqs(cfg: ModelConfig, device: torch.device | None) -> dict[str, tuple[torch.Tensor, float]]:
+    """(inverse frequencies, attention factor) of each rope the layers use: "global" always,
+    "local" for the sliding layers of a model that gives them their own base (Gemma 3)."""
     dim = cfg.rotary_dim or cfg.head_dim
     bases = {"global": (cfg.rope_theta, cfg.rope_scaling)}
     if cfg.local_rope_theta is not None:
         bases["local"] = (cfg.local_rope_theta, None)
-    return {name: rope_inv_freq(dim, theta, scaling).to(device) for name, (theta, scaling) in bases.items()}
+    return {name: (rope_inv_freq(dim, theta, scaling).to(device), (scaling or {}).get("attention_factor", 1.0))
+            for name, (theta, scaling) in bases.items()}
 
 
-def rope_for_positions(inv_freqs: dict[str, torch.Tensor], positions: torch.Tensor,
+def rope_for_positions(inv_freqs: dict[str, tuple[torch.Tensor, float]], positions: torch.Tensor,
                        dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(cos, signed_sin) of this step's positions for each rope, computed in float32 as the
-    reference does (position * inv_freq, one rounding, then cos/sin) and cast to ``dtype``.
-    Per step rather than a table over every position: a 131k-position table of a 256-dim head
-    would hold 256 MiB per rope."""
+    reference does (position * inv_freq, one rounding, then cos/sin, times the attention factor
+    when the scaling has one) and cast to ``dtype``. Per step rather than a table over every
+    position: a 131k-position table of a 256-dim head would hold 256 MiB per rope."""
     out = {}
-    for name, inv_freq in inv_freqs.items():
+    for name, (inv_freq, attention_factor) in inv_freqs.items():
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [num_tokens, rotary_dim / 2]
         cos, sin = freqs.cos(), freqs.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
         out[name] = (torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(1),
                      torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(1))
     return out

@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from engine.worker.models.config import ModelConfig, base_config, check_activation
+from engine.worker.models.config import ModelConfig, base_config, check_activation, qwen_layer_windows
 from engine.worker.models.layers import MLP, Attention, RMSNorm, rope_for_positions, rope_inv_freqs
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -17,12 +17,13 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 def config_from_hf(cfg: dict, arch: str) -> ModelConfig:
     check_activation(cfg, "hidden_act", ("silu",))
-    sliding = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        sliding = None
+    layers = cfg["num_hidden_layers"]
+    windows = (cfg.get("sliding_window"),) * layers
+    if arch == "Qwen2ForCausalLM":  # a window only with use_sliding_window, from max_window_layers up
+        windows = qwen_layer_windows(cfg)
     attention_bias = cfg.get("attention_bias", False)
     return base_config(cfg, arch, qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
-                       mlp_bias=cfg.get("mlp_bias", False), layer_windows=(sliding,) * cfg["num_hidden_layers"])
+                       mlp_bias=cfg.get("mlp_bias", False), layer_windows=windows)
 
 
 class DecoderLayer(nn.Module):
