@@ -71,7 +71,10 @@ class AsyncEngineClient:
         try:
             return await self._start(timeout)
         except BaseException:
-            await self.shutdown()  # a core that failed to start leaves no process or socket behind
+            try:
+                await self.shutdown()  # a core that failed to start leaves no process or socket behind
+            except Exception:
+                logger.exception("cleaning up after a failed start")  # the start's error is the one to raise
             raise
 
     async def _start(self, timeout: float) -> EngineInfo:
@@ -200,25 +203,28 @@ class AsyncEngineClient:
         if self._reader is not None:
             self._reader.cancel()
         process = self._process
-        if process is not None and process.is_alive():
-            try:
-                await asyncio.wait_for(self._push.send(self._encoder.encode(Shutdown())), 1.0)
-            except (asyncio.TimeoutError, zmq.ZMQError):
-                pass
-            deadline = time.monotonic() + timeout
-            while process.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if process.is_alive():
+        try:
+            if process is not None and process.is_alive():
+                try:
+                    await asyncio.wait_for(self._push.send(self._encoder.encode(Shutdown())), 1.0)
+                except (asyncio.TimeoutError, zmq.ZMQError):
+                    pass
+                deadline = time.monotonic() + timeout
+                while process.is_alive() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+        finally:  # also when interrupted while waiting (a second Ctrl-C): nothing is left behind
+            if process is not None and process.is_alive():
                 logger.warning("engine core did not stop in %.0fs; killing it", timeout)
                 process.kill()
-            process.join(1)
-        for sock in (self._push, self._pull):
-            if sock is not None:
-                sock.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.term()
-        if self._ipc_dir is not None:
-            remove_ipc_dir(f"ipc://{self._ipc_dir}/in")
+            if process is not None:
+                process.join(1)
+            for sock in (self._push, self._pull):
+                if sock is not None:
+                    sock.close(linger=0)
+            if self._ctx is not None:
+                self._ctx.term()
+            if self._ipc_dir is not None:
+                remove_ipc_dir(f"ipc://{self._ipc_dir}/in")
 
 
 class RequestStream:

@@ -5,10 +5,12 @@ unpickled or turned into arbitrary objects.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 
@@ -29,25 +31,41 @@ def remove_ipc_dir(address: str) -> None:
 
 
 def is_stale_socket(path: str, min_age_s: float = 60.0) -> bool:
-    """A unix socket file nobody listens on any more (its process was killed). Young files are
-    left alone: a server may be between creating its socket and listening on it."""
+    """A unix socket file of ours that nobody listens on any more (its process was killed).
+    Only our own sockets count (in a shared /tmp another user's files are never touched), and
+    young ones are left alone: a server may be between creating its socket and listening."""
     try:
-        if time.time() - os.lstat(path).st_mtime < min_age_s:
+        info = os.lstat(path)
+        if (not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid()
+                or time.time() - info.st_mtime < min_age_s):
             return False
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(0.5)  # a listener that never accepts must not hold up a start
             probe.connect(path)
         return False
     except ConnectionRefusedError:
         return True
-    except OSError:  # gone, not a socket, not ours to reach
+    except OSError:  # gone, timed out, not ours to reach
         return False
 
 
 def remove_stale_ipc_dirs() -> None:
-    """Directories left by servers killed with their engine core (a crash cleans nothing up)."""
+    """Directories left by servers killed with their engine core (a crash cleans nothing up):
+    only our own private (0700) directories, never a link, with a socket nobody listens on."""
     for directory in glob.glob(os.path.join(tempfile.gettempdir(), IPC_DIR_PREFIX + "*")):
-        if is_stale_socket(os.path.join(directory, "in")):
+        try:
+            info = os.lstat(directory)
+        except OSError:
+            continue
+        if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700
+                and is_stale_socket(os.path.join(directory, "in"))):
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def remove_stale_socket(path: str) -> None:
+    if is_stale_socket(path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 # (token_id, logprob, rank, decoded token) with the sampled token first.

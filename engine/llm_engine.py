@@ -115,8 +115,9 @@ class LLMEngine:
         model_config = model_config_from_hf(hf_config)
         model_max = model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's "
-                             f"max_position_embeddings={model_max}")
+            raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's context of "
+                             f"{model_max} tokens (max_position_embeddings; for a LongRoPE model, the original "
+                             "context it is served up to)")
         self.max_model_len = config.max_model_len or model_max
         self.vocab_size = model_config.vocab_size
 
@@ -152,6 +153,8 @@ class LLMEngine:
         # The connector's latest counters, as the runner reported them with the last step (an
         # offline reader sees them as of its last generate; a server's idle core steps each second).
         self.kv_connector_stats = KVConnectorStats()
+        if config.kv_store:  # every tier in the stats from the start, not only after the first step
+            self.kv_connector_stats = tiered_worker.stats(read_used_bytes=False)
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)

@@ -247,7 +247,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     if not args.instance and not (args.prefill and args.decode):
         raise ValueError("engine proxy needs --instance URLs, or at least one --prefill and one --decode URL")
     disagg = DisaggPolicy(args.max_local_prefill_tokens, args.max_prefill_queue)
-    router = KVRouter(args.kv_load_weight, load_kv_secret(args.kv_secret_file)) if args.routing == "kv-aware" else None
+    router = (KVRouter(args.kv_load_weight, load_kv_secret(args.kv_secret_file), args.kv_max_skew)
+              if args.routing == "kv-aware" else None)
     if args.instance:
         proxy = Proxy([], args.instance, args.routing, args.timeout, router=router)
         logging.getLogger("engine").info("proxy on http://%s:%d: replicas %s, %s routing", args.host, args.port,
@@ -463,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                          "least-loaded (default) or round-robin; prefill instances are always least-loaded")
     px.add_argument("--kv-load-weight", type=float, default=32.0, metavar="TOKENS",
                     help="kv-aware: cost of one open request on an instance, in uncached prompt tokens (default 32)")
+    px.add_argument("--kv-max-skew", type=int, default=8, metavar="N",
+                    help="kv-aware: never route to an instance with more than N open requests above the least "
+                         "loaded one, whatever it holds (default 8)")
     px.add_argument("--kv-secret-file", default=None, metavar="PATH",
                     help="kv-aware: the deployment secret, to read the instances' KV events (or ENGINE_KV_SECRET)")
     px.add_argument("--timeout", type=float, default=300.0,

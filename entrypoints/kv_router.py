@@ -14,7 +14,10 @@ instance i holds, and in_flight(i) the requests this proxy has open there. ``loa
 (``--kv-load-weight``, tokens per open request, default 32) trades cache hits against load: a
 cached prefix of 1,000 tokens outweighs 31 extra open requests, because an engine batches a new
 request with its running ones (an open request costs it little) while a prefix computed again
-costs its whole prefill and a second copy in another pool. Ties go to the least loaded.
+costs its whole prefill and a second copy in another pool. Ties go to the least loaded, and an
+instance with more than ``--kv-max-skew`` (default 8) open requests above the least loaded one
+is not a candidate, so a prefix every request shares (a long system prompt) cannot pile all the
+traffic on the one replica that holds it.
 (benchmarks/routing.py, 16 chats x 6 turns on 4 replicas: weight 256 scattered the early turns,
 whose history is short, and reached a 64.9% hit rate against the single big instance's 74.8%;
 weight 32 reached 74.6%.)
@@ -219,8 +222,8 @@ class PromptBlocks:
 
 
 class KVRouter:
-    def __init__(self, load_weight: float = 32.0, secret=None) -> None:
-        self.load_weight, self.secret = load_weight, secret
+    def __init__(self, load_weight: float = 32.0, secret=None, max_skew: int = 8) -> None:
+        self.load_weight, self.secret, self.max_skew = load_weight, secret, max_skew
         self.indexes: dict[str, InstanceIndex] = {}
         self.hashers: dict[str, BlockHasher] = {}
         self.subscribers: list[EventSubscriber] = []
@@ -254,7 +257,12 @@ class KVRouter:
         """(the upstream with the lowest cost, predicted cached tokens there). ``candidates``
         have ``url`` and ``in_flight``, in tie-breaking order."""
         best, best_cost, best_hit = None, None, 0
+        # However much it holds, an instance with max_skew more open requests than the least
+        # loaded one is passed over: a hot shared prefix must not pile everything on one replica.
+        least = min((u.in_flight for u in candidates), default=0)
         for upstream in candidates:
+            if upstream.in_flight > least + self.max_skew:
+                continue
             hit = 0
             hasher, index = self.hashers.get(upstream.url), self.indexes.get(upstream.url)
             if prompt is not None and hasher is not None and index is not None:

@@ -29,6 +29,29 @@ def _publisher() -> tuple[KVEventPublisher, KVEventsConfig]:
     return KVEventPublisher(config), config
 
 
+def test_cost_trades_cached_tokens_against_load_within_the_skew_limit():
+    """Fed by hand (no processes): the holder of a 1024-token prefix wins against idle replicas
+    while it has a few more open requests (32 tokens each), and is passed over once it has
+    more than --kv-max-skew above the least loaded, however much it holds."""
+    from types import SimpleNamespace
+
+    from engine.block_pool import BlockHasher
+    from entrypoints.kv_router import KVRouter, PromptBlocks
+    router = KVRouter(load_weight=32, max_skew=8)
+    hashes = [bytes([i]) * 32 for i in range(64)]  # a 1024-token prompt in 16-token blocks
+    for url in ("a", "b"):
+        router.hashers[url] = BlockHasher(16, b"root")
+        router.indexes[url] = InstanceIndex(url)
+    router.indexes["a"].hashes.update(hashes)
+    prompt = PromptBlocks(1024, {(16, b"root"): hashes})
+    pick = lambda a_open, b_open: router.choose(  # noqa: E731
+        [SimpleNamespace(url="a", in_flight=a_open), SimpleNamespace(url="b", in_flight=b_open)], prompt)
+    assert pick(0, 0) == (pick(0, 0)[0], 1024) and pick(0, 0)[0].url == "a"
+    assert pick(8, 0)[0].url == "a"  # 8 more open: 256 tokens of load against 1024 cached
+    assert pick(9, 0) == (pick(9, 0)[0], 0) and pick(9, 0)[0].url == "b"  # past the skew limit
+    assert pick(9, 1)[0].url == "a"  # the limit is relative to the least loaded
+
+
 def test_index_catches_up_from_the_replay_and_fills_gaps():
     publisher, config = _publisher()
     try:

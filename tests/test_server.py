@@ -69,6 +69,7 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = "any") -
 def test_models_endpoint(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == 1024  # as vLLM reports it: --max-model-len
 
 
 def test_completion_greedy_equals_offline(client, offline):

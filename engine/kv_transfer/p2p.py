@@ -17,7 +17,6 @@ token, so it loads the whole prompt's KV and recomputes nothing.
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import logging
 import os
@@ -26,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import KVTransferConfig
-from engine.ipc import is_stale_socket
+from engine.ipc import remove_stale_socket
 from engine.kv_transfer.base import KVConnectorScheduler
 from engine.kv_transfer.params import KVTransferParams, token_digest
 from engine.outputs import SchedulerOutput
@@ -50,11 +49,9 @@ def ipc_path(port: int) -> str:
 
 
 def remove_stale_kv_sockets() -> None:
-    """Socket files of KV servers that were killed (libzmq never removes an ipc file itself)."""
+    """Socket files of our KV servers that were killed (libzmq never removes an ipc file itself)."""
     for path in glob.glob("/tmp/engine-kv-*.sock"):
-        if is_stale_socket(path):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        remove_stale_socket(path)
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_LOAD_TIMEOUT_S = 30.0

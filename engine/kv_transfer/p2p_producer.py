@@ -213,9 +213,11 @@ class P2PProducer:
                 else:
                     wait_ms = 100
         finally:
-            sock.close(linger=0)
-            with contextlib.suppress(FileNotFoundError):  # libzmq leaves the socket file behind
+            # Unlinked before the close: once our TCP port is free, a new server on it binds the
+            # same path, and that file must stay. (libzmq never removes an ipc file itself.)
+            with contextlib.suppress(OSError):
                 os.unlink(ipc_path(self.port).removeprefix("ipc://"))
+            sock.close(linger=0)
 
     def _receive(self) -> bool:
         for _ in range(MAX_MESSAGES_PER_ROUND):

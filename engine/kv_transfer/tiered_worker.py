@@ -204,12 +204,16 @@ class TieredConnectorWorker(KVConnectorWorker):
         return KVConnectorOutput(finished_recving=done, failed_recving=set(failed), failure_reasons=failed,
                                  lookups=answers)
 
-    def stats(self) -> KVConnectorStats:
-        """Never waits on a store: a slow tier's used_bytes is the saver's last reading."""
+    def stats(self, read_used_bytes: bool = True) -> KVConnectorStats:
+        """Never waits on a store: a slow tier's used_bytes is the saver's last reading (0 for
+        every tier without ``read_used_bytes``: the engine's first figures, before any step)."""
         stats = {}
         for store in self.tiers.stores:
             s = store.stats
-            used = self._slow_used[store.name] if store.name in self._slow_used else store.used_bytes()
+            if store.name in self._slow_used:
+                used = self._slow_used[store.name]
+            else:
+                used = store.used_bytes() if read_used_bytes else 0
             stats[store.name] = {"hits": s.hits, "misses": s.misses, "bytes_stored": s.bytes_stored,
                                  "bytes_loaded": s.bytes_loaded, "used_bytes": used,
                                  "load_seconds": store.drain_load_seconds(), "rejected": dict(s.rejected)}

@@ -42,6 +42,9 @@ def convert(gguf_path: Path, out_dir: Path, metadata: dict[str, str]) -> None:
         raise ValueError(f"GGUF architecture {arch!r} in {gguf_path} is not supported "
                          f"(supported: {', '.join(SUPPORTED)})")
 
+    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise ValueError(f"{gguf_path}: LongRoPE GGUF files (Phi-3.5, Phi-4-mini, Phi-3 128k) are not supported; "
+                         "load the Hugging Face checkpoint instead (served up to its original context)")
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config.architectures = [HF_ARCHITECTURES[config.model_type if config.model_type == "mistral" else arch]]
     config.dtype = torch.float32

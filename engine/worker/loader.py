@@ -33,7 +33,7 @@ DEFAULT_MODEL_VERSION = "0.1.2"
 
 # Part of the GGUF cache key: bump it whenever the conversion output changes, so old cache
 # directories are never mistaken for new ones.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 _GGUF_MAGIC = b"GGUF"
 _KEY_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file for its cache key

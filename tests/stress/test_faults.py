@@ -306,11 +306,11 @@ def test_killed_servers_leave_no_sockets_behind(stress_model, tmp_path):
     ipc_dirs = lambda: set(glob.glob(str(tmp / (IPC_DIR_PREFIX + "*"))))  # noqa: E731
     crashed_dir = Path(tempfile.mkdtemp(prefix=IPC_DIR_PREFIX))
     _stale_socket(crashed_dir / "in")
-    crashed_kv_socket = tmp / f"engine-kv-{free_port()}.sock"
+    crashed_kv_socket = Path("/tmp") / f"engine-kv-{free_port()}.sock"  # where KV servers put theirs
     _stale_socket(crashed_kv_socket)
     before = ipc_dirs() - {str(crashed_dir)}
     kv_port = free_port()
-    kv_socket = tmp / f"engine-kv-{kv_port}.sock"
+    kv_socket = Path("/tmp") / f"engine-kv-{kv_port}.sock"
     live = ServerProcess(str(stress_model), *ARGS)
     victim = None
     try:

@@ -33,7 +33,7 @@ def _short_longrope(cfg: dict, rope: dict) -> dict:
     transformers uses the short factors at every position: the context is capped there, so no
     sequence ever reaches the long factors (which transformers would apply to the whole sequence,
     cached prefix included, once it grew past that length)."""
-    original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
     if not original:
         raise ValueError("longrope without original_max_position_embeddings")
     factor = rope.get("factor") or cfg.get("max_position_embeddings", original) / original
