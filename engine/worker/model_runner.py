@@ -22,7 +22,7 @@ from engine.worker import loader
 from engine.worker.attention import build_attention_metadata
 from engine.worker.backends import select_backend
 from engine.worker.cpu_linear import onednn_available, pack_linears
-from engine.worker.models import model_class, model_config_from_hf
+from engine.worker.models import ModelConfig, model_class
 from engine.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("engine.worker")
@@ -67,7 +67,7 @@ class RunnerRequest:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int],
+    def __init__(self, config: EngineConfig, model_dir: Path, model_config: ModelConfig, eos_token_ids: frozenset[int],
                  connector: KVConnectorWorker | None = None, reserved_bytes: int = 0) -> None:
         """``connector``: the KV connector's worker half. The runner owns it: it alone calls it,
         with each step's metadata, and hands back what it reports in ``ModelRunnerOutput``."""
@@ -76,7 +76,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.model_config = model_config_from_hf(loader.load_hf_config(model_dir))
+        self.model_config = model_config  # parsed once, by the engine
         self.backend = select_backend(config.attention_backend, self.device, self.dtype, self.block_size,
                                       self.model_config.head_dim, self.model_config.attn_softcap)
 

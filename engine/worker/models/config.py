@@ -44,13 +44,6 @@ class ModelConfig:
         """The distinct sliding windows of the layers (None: global), in a fixed order."""
         return sorted(set(self.layer_windows), key=lambda w: -1 if w is None else w)
 
-    @property
-    def sliding_window(self) -> int | None:
-        """The window every layer shares; refused for models that mix windows."""
-        windows = self.attention_windows
-        assert len(windows) == 1, f"{self.architecture} mixes attention windows {windows}"
-        return windows[0]
-
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling or None) from either config form: top-level ``rope_theta`` and
