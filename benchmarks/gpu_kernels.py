@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine.worker.attention import build_attention_metadata  # noqa: E402
+from engine.worker.attention import StepAttention  # noqa: E402
 from engine.worker.backends import AUTO_ORDER, select_backend, unavailable_reason  # noqa: E402
 
 
@@ -25,7 +25,7 @@ def random_step(device, dtype, block_size=16, num_heads=9, num_kv_heads=3, head_
     rng = random.Random(seed)
     shapes = [(rng.randint(1, 900), 1) for _ in range(12)] + [(rng.randint(0, 600), rng.randint(2, 300))
                                                              for _ in range(4)]
-    shapes.sort(key=lambda s: (s[1] > 1, -(s[0] + s[1])))  # the runner's order: decodes first
+    rng.shuffle(shapes)  # decodes and prefills mixed, as the runner's rows come
     blocks_needed = [-(-(c + q) // block_size) for c, q in shapes]
     ids = list(range(sum(blocks_needed) + 8))
     rng.shuffle(ids)
@@ -46,7 +46,7 @@ def check_kernels(device: torch.device) -> bool:
     ok = True
     print("| backend | dtype | sliding window | max abs diff vs torch | ms per call |")
     print("|---|---|---|---|---|")
-    for dtype in ([torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32]):
+    for dtype in ([torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32, torch.bfloat16]):
         for window in (None, 128):
             shapes, tables, q, k, v, cache = random_step(device, dtype)
             ref = None
@@ -56,8 +56,8 @@ def check_kernels(device: torch.device) -> bool:
                     print(f"| {name} | {dtype} | {window} | unavailable: {reason} | |")
                     continue
                 backend = select_backend(name, device, dtype, 16, q.shape[-1])
-                meta, _ = build_attention_metadata([s[1] for s in shapes], [s[0] for s in shapes], tables, 16,
-                                                   device, window, varlen=backend.needs_varlen)
+                step, _ = StepAttention.from_lists([s[1] for s in shapes], [s[0] for s in shapes], tables, 16, device)
+                meta = backend.build_metadata(step, window)
                 kv = cache.clone()
                 out = backend.forward(q, k, v, kv, meta, q.shape[-1] ** -0.5)
                 if device.type == "cuda":

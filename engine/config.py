@@ -124,7 +124,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # see SchedulerConfig
-    attention_backend: str = "auto"  # auto | torch | flash_attn | xformers
+    attention_backend: str = "auto"  # auto | cpu | torch | flash_attn | xformers
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (CUDA, no kv_cache_memory)
     kv_transfer_config: KVTransferConfig | None = None
     # KV cache tiers, fastest first: "cpu:4GiB,disk:/var/cache/engine-kv:20GiB,redis://host:6379/0".
@@ -167,8 +167,8 @@ class EngineConfig:
                 self.kv_chunk_tokens % self.block_size:
             raise ValueError(f"kv_chunk_tokens must be a positive multiple of block_size ({self.block_size}), "
                              f"got {self.kv_chunk_tokens!r}")
-        if self.attention_backend not in ("auto", "torch", "flash_attn", "xformers"):
-            raise ValueError(f"attention_backend must be auto, torch, flash_attn or xformers, "
+        if self.attention_backend not in ("auto", "cpu", "torch", "flash_attn", "xformers"):
+            raise ValueError(f"attention_backend must be auto, cpu, torch, flash_attn or xformers, "
                              f"got {self.attention_backend!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -148,8 +148,8 @@ class LLMEngine:
             else:  # P2P first; the tiers behind it (a decode falls back to them when a pull fails)
                 connector = MultiConnectorScheduler([connector, tiered])
                 connector_worker = MultiConnectorWorker([connector_worker, tiered_worker])
-        self.runner = ModelRunner(config, model_dir, model_config, self.eos_token_ids, connector_worker,
-                                  reserved_bytes=STAGING_BYTES if uses_p2p else 0)
+        self.runner = ModelRunner(config, model_dir, model_config, self.eos_token_ids, self.max_model_len,
+                                  connector_worker, reserved_bytes=STAGING_BYTES if uses_p2p else 0)
         # The connector's latest counters, as the runner reported them with the last step (an
         # offline reader sees them as of its last generate; a server's idle core steps each second).
         self.kv_connector_stats = KVConnectorStats()

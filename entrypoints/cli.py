@@ -33,8 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn", "xformers"],
-                        help="paged attention kernels (auto: the fastest installed for the device; "
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "flash_attn", "xformers"],
+                        help="paged attention kernels (auto: the fastest installed for the device; cpu: the native "
+                             "CPU kernels built by pip install -e .; torch: the pure-torch reference path; "
                              "flash_attn and xformers need CUDA and pip install -e .[cuda])")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of GPU memory the engine may use; the KV cache gets what the weights and "

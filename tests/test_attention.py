@@ -1,6 +1,7 @@
-"""Paged attention against a dense causal reference: the torch backend, and the packed "varlen"
-data path of the flash-attn and xformers backends (their metadata and context gather, with a
-plain-torch kernel standing in for the CUDA one, so the metadata is checked on CPU)."""
+"""Paged attention against a dense causal reference: the torch backend, the native CPU backend
+(each ISA build this CPU runs), and the packed "varlen" data path of the flash-attn and xformers
+backends (their metadata and context gather, with a plain-torch kernel standing in for the CUDA
+one, so the metadata is checked on CPU)."""
 from __future__ import annotations
 
 import math
@@ -10,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.worker.attention import build_attention_metadata
+from engine.worker import native
+from engine.worker.attention import StepAttention, build_varlen_attention_metadata
+from engine.worker.backends.cpu import CpuNativeBackend
 from engine.worker.backends.layout import write_kv
 from engine.worker.backends.torch_sdpa import TorchSDPABackend
 from engine.worker.backends.varlen import gather_kv, reference_varlen_attention
 
 CPU = torch.device("cpu")
-HEAD_DIM = 8
+HEAD_DIM = 16  # the smallest head the native kernel is built for
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
@@ -39,7 +42,7 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
 class VarlenReferenceBackend:
     """What FlashAttnBackend / XFormersBackend do, with their CUDA kernel replaced by the plain
     torch reference of flash_attn_varlen_func(causal=True, window_size=(W - 1, 0))."""
-    needs_varlen = True
+    build_metadata = staticmethod(build_varlen_attention_metadata)
 
     @staticmethod
     def forward(q, k, v, kv_cache, meta, scale):
@@ -48,19 +51,23 @@ class VarlenReferenceBackend:
         return reference_varlen_attention(q, keys, values, meta.varlen, scale)
 
 
-def run_step(kv_cache, seqs, order, query_lens, num_computed, block_size, sliding_window, scale, varlen=False):
-    """One forward call for the given per-sequence query ranges, ordered as the runner does:
-    single-token queries first, longest context first, then the multi-token ones."""
-    order = sorted(order, key=lambda i: (query_lens[i] > 1, -(num_computed[i] + query_lens[i])))
-    meta, positions = build_attention_metadata(
+BACKENDS = {"torch": TorchSDPABackend, "varlen": VarlenReferenceBackend,
+            **{f"cpu-{isa}": CpuNativeBackend(native.load(isa)) for isa in native.supported_isas()}}
+
+
+def run_step(kv_cache, seqs, order, query_lens, num_computed, block_size, sliding_window, scale, backend="torch"):
+    """One forward call for the given per-sequence query ranges, in the given order (decodes
+    and prefills mixed, as the runner's rows come)."""
+    step, positions = StepAttention.from_lists(
         [query_lens[i] for i in order], [num_computed[i] for i in order],
-        [seqs[i]["blocks"] for i in order], block_size, CPU, sliding_window, varlen=varlen)
+        [seqs[i]["blocks"] for i in order], block_size, CPU)
+    meta = BACKENDS[backend].build_metadata(step, sliding_window)
     q = torch.cat([seqs[i]["q"][num_computed[i]:num_computed[i] + query_lens[i]] for i in order])
     k = torch.cat([seqs[i]["k"][num_computed[i]:num_computed[i] + query_lens[i]] for i in order])
     v = torch.cat([seqs[i]["v"][num_computed[i]:num_computed[i] + query_lens[i]] for i in order])
     expected_pos = np.concatenate([np.arange(num_computed[i], num_computed[i] + query_lens[i]) for i in order])
     np.testing.assert_array_equal(positions, expected_pos)
-    out = (VarlenReferenceBackend if varlen else TorchSDPABackend).forward(q, k, v, kv_cache, meta, scale)
+    out = BACKENDS[backend].forward(q, k, v, kv_cache, meta, scale)
     assert out.shape == q.shape
     row = 0
     for i in order:
@@ -73,11 +80,11 @@ def run_step(kv_cache, seqs, order, query_lens, num_computed, block_size, slidin
     return meta
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["torch", "varlen"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("sliding_window", [None, 1, 5])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_paged_attention_matches_dense_reference(seed, block_size, sliding_window, varlen):
+def test_paged_attention_matches_dense_reference(seed, block_size, sliding_window, backend):
     rng = random.Random(seed * 1000 + block_size * 10 + (sliding_window or 0))
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     num_heads, num_kv_heads = rng.choice([(4, 4), (4, 2), (6, 1)])
@@ -112,7 +119,7 @@ def test_paged_attention_matches_dense_reference(seed, block_size, sliding_windo
     with_ctx = [i for i, s in enumerate(seqs) if s["ctx"] > 0]
     if with_ctx:
         run_step(kv_cache, seqs, with_ctx, [s["ctx"] for s in seqs], [0] * len(seqs), block_size,
-                 sliding_window, scale, varlen)
+                 sliding_window, scale, backend)
     for s in seqs:  # the context K/V landed in the right slots
         for pos in range(s["ctx"]):
             block, off = s["blocks"][pos // block_size], pos % block_size
@@ -121,15 +128,15 @@ def test_paged_attention_matches_dense_reference(seed, block_size, sliding_windo
 
     # 2. The query call: every sequence, context from the cache plus its new tokens.
     meta = run_step(kv_cache, seqs, list(range(len(seqs))), [s["q_len"] for s in seqs], [s["ctx"] for s in seqs],
-                    block_size, sliding_window, scale, varlen)
-    if varlen:
+                    block_size, sliding_window, scale, backend)
+    if backend == "varlen":
         assert meta.decodes == [] and meta.prefills == []
         assert meta.varlen.cu_seqlens_q[-1].item() == sum(s["q_len"] for s in seqs)
         assert meta.varlen.cu_seqlens_k[-1].item() == sum(s["ctx"] + s["q_len"] for s in seqs)
-        return
-    num_single = sum(1 for s in seqs if s["q_len"] == 1)
-    assert sum(d.end - d.start for d in meta.decodes) == num_single
-    assert len(meta.prefills) == len(seqs) - num_single
+    elif backend == "torch":
+        num_single = sum(1 for s in seqs if s["q_len"] == 1)
+        assert sum(len(d.rows) for d in meta.decodes) == num_single
+        assert len(meta.prefills) == len(seqs) - num_single
 
 
 def test_decode_only_and_prefill_only_steps():
@@ -146,20 +153,21 @@ def test_decode_only_and_prefill_only_steps():
     assert meta.decodes == []
     meta = run_step(kv_cache, seqs, [0, 1, 2], [1, 1, 1], [n - 1 for n in lens], block_size, None, scale)
     assert meta.prefills == []
-    # Lengths 14, 9, 3: 3 < half of 14 starts a second group.
-    assert [(d.start, d.end) for d in meta.decodes] == [(0, 2), (2, 3)]
+    # Lengths 9, 3, 14 in step order: sorted 14, 9 | 3 (3 < half of 14 starts a second group).
+    assert [d.rows.tolist() for d in meta.decodes] == [[2, 0], [1]]
 
 
 def test_slot_mapping_of_a_hand_built_step():
     # Block size 4. Request A: 5 tokens cached, 1 new (position 5) in blocks [7, 2]: block 2,
     # offset 1 -> slot 9. Request B: 2 cached, 3 new (positions 2, 3, 4) in blocks [3, 0]:
     # slots 3*4+2=14, 15, then block 0 offset 0 -> 0.
-    meta, positions = build_attention_metadata([1, 3], [5, 2], [[7, 2], [3, 0]], 4, CPU)
+    step, positions = StepAttention.from_lists([1, 3], [5, 2], [[7, 2], [3, 0]], 4, CPU)
+    meta = TorchSDPABackend.build_metadata(step, None)
     assert meta.slot_mapping.tolist() == [9, 14, 15, 0]
     assert positions.tolist() == [5, 2, 3, 4]
     assert meta.num_tokens == 4
     (d,) = meta.decodes
-    assert (d.start, d.end) == (0, 1)
+    assert d.rows.tolist() == [0]
     assert d.block_ids.tolist() == [7, 2]
     assert d.mask.shape == (1, 1, 1, 8)
     assert d.mask.flatten().tolist() == [True] * 6 + [False] * 2
@@ -173,14 +181,18 @@ def test_slot_mapping_of_a_hand_built_step():
 
 
 def test_slot_mapping_with_block_size_one_and_no_context():
-    meta, positions = build_attention_metadata([3], [0], [[4, 1, 6]], 1, CPU)
+    step, positions = StepAttention.from_lists([3], [0], [[4, 1, 6]], 1, CPU)
+    meta = TorchSDPABackend.build_metadata(step, None)
     assert meta.slot_mapping.tolist() == [4, 1, 6] and positions.tolist() == [0, 1, 2]
     assert meta.decodes == [] and meta.prefills[0].mask is None  # plain causal
 
 
-def test_multi_token_queries_before_single_ones_are_refused():
-    with pytest.raises(AssertionError):
-        build_attention_metadata([3, 1], [0, 4], [[0], [1, 2]], 4, CPU)
+def test_prefills_before_decodes_in_one_step():
+    step, positions = StepAttention.from_lists([3, 1], [0, 4], [[0], [1, 2]], 4, CPU)
+    meta = TorchSDPABackend.build_metadata(step, None)
+    assert positions.tolist() == [0, 1, 2, 4] and meta.slot_mapping.tolist() == [0, 1, 2, 8]
+    assert [d.rows.tolist() for d in meta.decodes] == [[3]]
+    assert [(p.query_start, p.query_end) for p in meta.prefills] == [(0, 3)]
 
 
 def test_decode_length_groups_bound_padding():

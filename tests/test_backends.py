@@ -10,15 +10,21 @@ import pytest
 import torch
 
 from engine import EngineConfig
+from engine.worker import native
 from engine.worker.backends import select_backend, unavailable_reason
 from engine.worker.model_runner import cuda_kv_budget
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def test_auto_is_torch_on_cpu_and_explicit_cuda_backends_are_refused():
-    assert select_backend("auto", CPU, torch.float32, 16, 64).name == "torch"
+def test_auto_is_the_native_kernel_on_cpu_and_explicit_cuda_backends_are_refused():
+    expected = "torch" if native.unavailable_reason() else "cpu"
+    assert select_backend("auto", CPU, torch.float32, 16, 64).name == expected
     assert select_backend("torch", CPU, torch.float32, 16, 64).name == "torch"
+    # A head size the native kernel is not built for runs on torch, with the reason.
+    assert select_backend("auto", CPU, torch.float32, 16, 80).name == "torch"
+    assert "not 80" in unavailable_reason("cpu", CPU, torch.float32, 80)
+    assert "runs on the CPU" in unavailable_reason("cpu", CUDA, torch.bfloat16, 64)
     for name in ("flash_attn", "xformers"):
         with pytest.raises(ValueError, match=f"--attention-backend {name}: {name} needs a CUDA device"):
             select_backend(name, CPU, torch.float32, 16, 64)

@@ -18,13 +18,13 @@ def _candidates(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 16, 37, 130, 7, 32, 64, 200, 11, 48)]
 
 
-def _check_family(model_dir) -> None:
+def _check_family(model_dir, attention_backend: str = "auto") -> None:
     """Exact greedy equality with transformers on 4 prompts of different lengths whose reference
     path has no near-ties (a tie can legitimately break either way under float reordering), and
     at every generated position the top-5 log-probabilities within 1e-3 of transformers'."""
     hf = HFReference(model_dir)
     prompts, expected = hf.well_conditioned(_candidates(), MAX_TOKENS, count=4)
-    llm = LLM(str(model_dir), num_blocks=128)
+    llm = LLM(str(model_dir), num_blocks=128, attention_backend=attention_backend)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                    logprobs=5), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -78,6 +78,13 @@ FAMILIES = {
 def test_greedy_matches_transformers(family, tmp_path, smollm2_dir):
     arch, overrides = FAMILIES[family]
     _check_family(make_tiny_model(tmp_path, arch, **overrides))
+
+
+@pytest.mark.parametrize("family", ["llama-tied", "gemma2-softcap-alternating", "qwen3-qk-norm", "phi3-partial-rotary-window"])
+def test_the_torch_path_matches_transformers_too(family, tmp_path, smollm2_dir):
+    """--attention-backend torch: the pure-torch path (SDPA, torch layer ops), end to end."""
+    arch, overrides = FAMILIES[family]
+    _check_family(make_tiny_model(tmp_path, arch, **overrides), attention_backend="torch")
 
 
 def test_mistral_sliding_window_matches_transformers(tmp_path, smollm2_dir):

@@ -1,9 +1,9 @@
-"""Attention metadata, built once per step, and the Attention layer that consumes it.
+"""A step's attention metadata, built once per step: what every backend needs (``StepAttention``)
+and each backend's own form of it (``backend.build_metadata(step, window)``, once per sliding
+window the layers use).
 
-Token layout of a step: requests with a single query token (decodes, or a prefill whose
-last chunk is one token) come first, one token each; then the multi-token requests, each a
-contiguous range. Every request attends to its whole context: the cached tokens plus its
-own new ones.
+Token layout of a step: requests in the runner's row order, each a contiguous range of its new
+tokens. Every request attends to its whole context: the cached tokens plus its own new ones.
 
     context:  | ---- num_computed (already in the cache) ---- | -- query (new) -- |
     seq_len = num_computed + query_len
@@ -19,13 +19,55 @@ from engine.worker.backends.varlen import VarlenMetadata, build_varlen_metadata
 
 
 @dataclass(slots=True)
+class StepAttention:
+    """One step's requests as arrays (the runner's input batch fills them without Python loops)."""
+    query_lens: np.ndarray   # [num_reqs] int32: new tokens of each request
+    seq_lens: np.ndarray     # [num_reqs] int32: cached + new
+    query_start: np.ndarray  # [num_reqs + 1] int32: where each request's tokens start in the step
+    block_table: np.ndarray  # [num_reqs, max_blocks] int32: covers every seq_len (padding: block 0)
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    block_size: int
+    device: torch.device
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start[-1])
+
+    @classmethod
+    def from_lists(cls, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
+                   block_size: int, device: torch.device) -> tuple[StepAttention, np.ndarray]:
+        """The step and its tokens' positions, from per-request lists (tests and benchmarks)."""
+        q_lens = np.asarray(query_lens, dtype=np.int32)
+        seq_lens = np.asarray(num_computed, dtype=np.int32) + q_lens
+        table = np.zeros((len(q_lens), max([len(b) for b in block_tables] + [1])), dtype=np.int32)
+        for i, blocks in enumerate(block_tables):
+            assert len(blocks) * block_size >= seq_lens[i], "block table does not cover the sequence"
+            table[i, :len(blocks)] = blocks
+        query_start = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=query_start[1:])
+        positions = token_positions(query_start, seq_lens - q_lens)
+        req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        slots = table[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        return cls(q_lens, seq_lens, query_start, table, torch.from_numpy(slots).to(device), block_size,
+                   device), positions
+
+
+def token_positions(query_start: np.ndarray, num_computed: np.ndarray) -> np.ndarray:
+    """Position of every new token of a step: request i's run from num_computed[i]."""
+    q_lens = np.diff(query_start)
+    return (np.arange(int(query_start[-1]), dtype=np.int64)
+            - np.repeat(query_start[:-1].astype(np.int64) - num_computed, q_lens))
+
+
+# ---- the torch backend's form: decode rows batched by length, one SDPA call per prefill ----
+
+@dataclass(slots=True)
 class DecodeGroup:
-    """Single-query rows [start, end) of the step, batched into one attention call. Rows are
-    grouped by context length so that padding to the longest stays small."""
-    start: int
-    end: int
-    block_ids: torch.Tensor     # [num_rows * max_blocks] int64, row-major, padded with block 0
-    mask: torch.Tensor          # [num_rows, 1, 1, max_blocks * block_size] bool, True = attend
+    """Single-query requests batched into one attention call, grouped by context length so that
+    padding to the longest stays small."""
+    rows: torch.Tensor       # [num_rows] int64: the rows of these queries in the step
+    block_ids: torch.Tensor  # [num_rows * max_blocks] int64, row-major, padded with block 0
+    mask: torch.Tensor       # [num_rows, 1, 1, max_blocks * block_size] bool, True = attend
 
 
 @dataclass(slots=True)
@@ -40,77 +82,53 @@ class PrefillSeq:
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    """The torch backend's metadata (decodes, prefills), or the packed-batch kernels' (varlen)."""
     num_tokens: int
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    slot_mapping: torch.Tensor
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
     varlen: VarlenMetadata | None = None  # for packed-batch kernels (flash-attn, xformers)
 
 
-def build_attention_metadata(
-    query_lens: list[int],
-    num_computed: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-    sliding_window: int | None = None,
-    varlen: bool = False,
-) -> tuple[AttentionMetadata, np.ndarray]:
-    """Metadata and the position of every new token. Requests must be ordered with all
-    single-token queries first. ``varlen``: build the packed-batch form instead of the torch
-    backend's decode groups and prefill ranges."""
-    num_reqs = len(query_lens)
-    q_lens = np.asarray(query_lens, dtype=np.int64)
-    ctx = np.asarray(num_computed, dtype=np.int64)
-    seq_lens = ctx + q_lens
-    num_tokens = int(q_lens.sum())
-
-    # Positions and slots of every new token, vectorised over the whole step.
-    req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-    starts = np.cumsum(q_lens) - q_lens
-    positions = np.arange(num_tokens) - np.repeat(starts, q_lens) + np.repeat(ctx, q_lens)
-    max_blocks = max((len(b) for b in block_tables), default=0)
-    table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int64)
-    for i, blocks in enumerate(block_tables):
-        # Padding stands in for missing blocks; a short table would write into block 0.
-        assert len(blocks) * block_size >= seq_lens[i], "block table does not cover the sequence"
-        table[i, :len(blocks)] = blocks
-    slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
-
-    slot_mapping = torch.from_numpy(slots).to(device)
-    if varlen:
-        return AttentionMetadata(num_tokens, slot_mapping, [], [], build_varlen_metadata(
-            q_lens, seq_lens, table, block_size, device, sliding_window)), positions
-    num_decodes = int(np.searchsorted(q_lens > 1, True)) if num_reqs else 0
-    assert (q_lens[:num_decodes] == 1).all() and (q_lens[num_decodes:] > 1).all(), "decodes must come first"
+def build_torch_metadata(step: StepAttention, sliding_window: int | None) -> AttentionMetadata:
+    q_lens, seq_lens, table, bs, device = step.query_lens, step.seq_lens, step.block_table, step.block_size, step.device
+    decode_reqs = np.flatnonzero(q_lens == 1)
+    decode_reqs = decode_reqs[np.argsort(-seq_lens[decode_reqs], kind="stable")]  # longest first
     decodes = []
-    for start, end in _length_groups(seq_lens[:num_decodes]):
-        group_seq = seq_lens[start:end]
-        group_blocks = int(-(-group_seq.max() // block_size))
-        key_pos = np.arange(group_blocks * block_size)
+    for start, end in _length_groups(seq_lens[decode_reqs]):
+        reqs = decode_reqs[start:end]
+        group_seq = seq_lens[reqs]
+        group_blocks = int(-(-group_seq.max() // bs))
+        key_pos = np.arange(group_blocks * bs)
         mask = key_pos[None, :] < group_seq[:, None]
         if sliding_window is not None:
             mask &= key_pos[None, :] > (group_seq[:, None] - 1 - sliding_window)
         decodes.append(DecodeGroup(
-            start, end,
-            torch.from_numpy(table[start:end, :group_blocks].reshape(-1)).to(device),
+            torch.from_numpy(step.query_start[reqs].astype(np.int64)).to(device),
+            torch.from_numpy(table[reqs, :group_blocks].astype(np.int64).reshape(-1)).to(device),
             torch.from_numpy(mask).view(end - start, 1, 1, -1).to(device)))
     prefills = []
-    for i in range(num_decodes, num_reqs):
+    for i in np.flatnonzero(q_lens > 1):
         seq_len, q_len = int(seq_lens[i]), int(q_lens[i])
+        ctx = seq_len - q_len
         mask = None
-        if ctx[i] > 0 or (sliding_window is not None and seq_len > sliding_window):
-            q_pos = np.arange(ctx[i], seq_len)[:, None]
+        if ctx > 0 or (sliding_window is not None and seq_len > sliding_window):
+            q_pos = np.arange(ctx, seq_len)[:, None]
             k_pos = np.arange(seq_len)[None, :]
             m = k_pos <= q_pos
             if sliding_window is not None:
                 m &= k_pos > q_pos - sliding_window
             mask = torch.from_numpy(m).to(device)
-        n_blocks = -(-seq_len // block_size)
-        prefills.append(PrefillSeq(int(starts[i]), int(starts[i] + q_len),
-                                   torch.tensor(block_tables[i][:n_blocks], dtype=torch.int64, device=device),
-                                   seq_len, mask))
-    return AttentionMetadata(num_tokens, slot_mapping, decodes, prefills), positions
+        n_blocks = -(-seq_len // bs)
+        start = int(step.query_start[i])
+        prefills.append(PrefillSeq(start, start + q_len,
+                                   torch.from_numpy(table[i, :n_blocks].astype(np.int64)).to(device), seq_len, mask))
+    return AttentionMetadata(step.num_tokens, step.slot_mapping, decodes, prefills)
+
+
+def build_varlen_attention_metadata(step: StepAttention, sliding_window: int | None) -> AttentionMetadata:
+    return AttentionMetadata(step.num_tokens, step.slot_mapping, [], [], build_varlen_metadata(
+        step.query_lens, step.seq_lens, step.block_table, step.block_size, step.device, sliding_window))
 
 
 def _length_groups(seq_lens: np.ndarray, max_waste: float = 0.5, max_groups: int = 4) -> list[tuple[int, int]]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -19,9 +19,9 @@ from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allo
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker import loader
-from engine.worker.attention import build_attention_metadata
-from engine.worker.backends import select_backend
+from engine.worker.backends import select_kernels
 from engine.worker.cpu_linear import onednn_available, pack_linears
+from engine.worker.input_batch import InputBatch, RowState
 from engine.worker.models import ModelConfig, model_class
 from engine.worker.sampler import Sampler, SamplingMetadata
 
@@ -55,20 +55,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass(slots=True)
-class RunnerRequest:
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    banned_ids: list[int] = field(default_factory=list)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_config: ModelConfig, eos_token_ids: frozenset[int],
-                 connector: KVConnectorWorker | None = None, reserved_bytes: int = 0) -> None:
+                 max_model_len: int, connector: KVConnectorWorker | None = None, reserved_bytes: int = 0) -> None:
         """``connector``: the KV connector's worker half. The runner owns it: it alone calls it,
         with each step's metadata, and hands back what it reports in ``ModelRunnerOutput``."""
         self.config = config
@@ -77,8 +66,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.model_config = model_config  # parsed once, by the engine
-        self.backend = select_backend(config.attention_backend, self.device, self.dtype, self.block_size,
+        self.kernels = select_kernels(config.attention_backend, self.device, self.dtype, self.block_size,
                                       self.model_config.head_dim, self.model_config.attn_softcap)
+        self.backend = self.kernels.attention
 
         start = time.perf_counter()
         torch.manual_seed(config.seed)
@@ -86,7 +76,7 @@ class ModelRunner:
         # so memory is allocated once, in that dtype (never an fp32 copy of a bf16 model on the
         # way), then filled tensor by tensor by load_weights.
         with torch.device("meta"):
-            model = model_class(self.model_config)(self.model_config, self.backend)
+            model = model_class(self.model_config)(self.model_config, self.kernels)
         model = model.to(self.dtype).to_empty(device=self.device)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -102,7 +92,7 @@ class ModelRunner:
         self.connector = connector or NoOpConnectorWorker()
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler()
-        self.requests: dict[str, RunnerRequest] = {}
+        self.batch = InputBatch(max_model_len, self.block_size, self.device)
         # Test hook (FAULTS 24), only with ENGINE_ALLOW_FAULTS=1: the Nth forward pass raises.
         self._fail_at_forward = (int(os.environ.get("ENGINE_FAULT_FORWARD_AT", "0"))
                                  if os.environ.get("ENGINE_ALLOW_FAULTS") == "1" else 0)
@@ -158,18 +148,17 @@ class ModelRunner:
 
     # ---- per-step state ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's diff to the persistent batch."""
+        batch = self.batch
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            batch.remove(req_id)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = RunnerRequest(
-                list(new.prompt_token_ids), list(new.output_token_ids),
-                list(new.prompt_token_ids) + list(new.output_token_ids),
-                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+            batch.add(new.req_id, new.prompt_token_ids, new.output_token_ids, new.sampling_params, new.block_ids,
+                      new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            state = self.requests[req_id]
-            state.block_ids.extend(block_ids)
-            state.num_computed_tokens = num_computed
+            batch.append_blocks(req_id, block_ids)
+            batch.set_num_computed(req_id, num_computed)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -180,55 +169,39 @@ class ModelRunner:
             output.kv_connector_output = self._connector_output()
             return output
 
-        # Single-token queries first, longest context first (they attend in length groups),
-        # then the multi-token ones.
-        def order(req_id: str) -> tuple[bool, int]:
-            n = so.num_scheduled_tokens[req_id]
-            return n > 1, -(self.requests[req_id].num_computed_tokens + n)
-        req_ids = sorted(so.num_scheduled_tokens, key=order)
-        states = [self.requests[r] for r in req_ids]
-        query_lens = [so.num_scheduled_tokens[r] for r in req_ids]
-        # One metadata per sliding window the layers use (None: global attention); same positions.
-        metas = {}
-        for window in self.model_config.attention_windows:
-            metas[window], positions = build_attention_metadata(
-                query_lens, [s.num_computed_tokens for s in states], [s.block_ids for s in states],
-                self.block_size, self.device, window, varlen=self.backend.needs_varlen)
-        input_ids = []
-        for state, n in zip(states, query_lens):
-            input_ids.extend(state.token_ids[state.num_computed_tokens:state.num_computed_tokens + n])
+        batch = self.batch
+        inputs = batch.prepare(list(so.num_scheduled_tokens), list(so.num_scheduled_tokens.values()))
+        # One metadata per sliding window the layers use (None: global attention).
+        metas = {window: self.backend.build_metadata(inputs.attention, window)
+                 for window in self.model_config.attention_windows}
 
         self._num_forwards += 1
         if self._num_forwards == self._fail_at_forward:
             raise RuntimeError(f"injected failure in forward pass {self._num_forwards} (ENGINE_FAULT_FORWARD_AT)")
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                            torch.from_numpy(positions).to(self.device), self.kv_caches, metas)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
         self.connector.save_kv(so.kv_connector_metadata)
 
         # Sample for requests whose known tokens are now all computed; the rest are mid-prefill.
-        rows, last_index, offset = [], [], 0
-        for req_id, state, n in zip(req_ids, states, query_lens):
-            offset += n
-            state.num_computed_tokens += n
-            if state.num_computed_tokens == len(state.token_ids):
-                rows.append((req_id, state))
-                last_index.append(offset - 1)
-        if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
+        rows = inputs.rows
+        batch.num_computed[rows] += inputs.attention.query_lens
+        sampling = np.flatnonzero(batch.num_computed[rows] == batch.num_tokens[rows])
+        if len(sampling):
+            last_index = torch.from_numpy(inputs.attention.query_start[sampling + 1].astype(np.int64) - 1)
+            states = [batch.states[rows[i]] for i in sampling]
+            logits = self.model.compute_logits(hidden[last_index.to(self.device)])
             sampled = self.sampler(logits, SamplingMetadata.build(
-                [s.sampling_params for _, s in rows],
-                [s.prompt_token_ids for _, s in rows],
-                [s.output_token_ids for _, s in rows],
-                [self._banned_ids(s) for _, s in rows],
+                [s.sampling_params for s in states],
+                [s.prompt_token_ids for s in states],
+                [s.output_token_ids for s in states],
+                [self._banned_ids(s) for s in states],
                 self.device,
-                grammar=self._grammar_rows(so, [r for r, _ in rows])))
-            for i, (req_id, state) in enumerate(rows):
+                grammar=self._grammar_rows(so, [s.req_id for s in states])))
+            for i, (row, state) in enumerate(zip(rows[sampling], states)):
                 token = sampled.sampled_token_ids[i]
-                state.output_token_ids.append(token)
-                state.token_ids.append(token)
-                output.sampled_token_ids[req_id] = token
+                batch.append_token(int(row), token)
+                output.sampled_token_ids[state.req_id] = token
                 if sampled.logprobs is not None and state.sampling_params.logprobs is not None:
-                    output.logprobs[req_id] = sampled.logprobs[i]
+                    output.logprobs[state.req_id] = sampled.logprobs[i]
         output.kv_connector_output = self._connector_output()
         return output
 
@@ -256,7 +229,7 @@ class ModelRunner:
         return (torch.tensor(rows, dtype=torch.int64, device=self.device),
                 torch.from_numpy(bound).to(self.device))
 
-    def _banned_ids(self, state: RunnerRequest) -> list[int]:
+    def _banned_ids(self, state: RowState) -> list[int]:
         """EOS and stop tokens may not end a request before it has min_tokens tokens."""
         params = state.sampling_params
         if len(state.output_token_ids) >= params.min_tokens:

@@ -242,11 +242,12 @@ def test_forward_raising(stress_model):
     """FAULTS 24: the model forward raises with requests in flight. Each gets an error (HTTP 500
     or an SSE error event), /health turns 503, the server exits by itself and leaves no
     engine-core process behind."""
-    server = ServerProcess(str(stress_model), *ARGS, env={"ENGINE_ALLOW_FAULTS": "1", "ENGINE_FAULT_FORWARD_AT": "60"})
-    # All five are streaming (none can finish 200 tokens in 60 steps) when the 60th forward raises.
+    server = ServerProcess(str(stress_model), *ARGS, env={"ENGINE_ALLOW_FAULTS": "1", "ENGINE_FAULT_FORWARD_AT": "150"})
+    # All five arrive at once and are streaming (none can finish 200 tokens in 150 steps) when
+    # the 150th forward raises.
     jobs = [Job(i, _prompt(800 + i, 50), 200, None) for i in range(5)]
     try:
-        summary = asyncio.run(run_load(server.url, jobs, rate=50.0, deadline_s=60))
+        summary = asyncio.run(run_load(server.url, jobs, rate=10_000.0, deadline_s=60))
         assert all(r.error is not None for r in summary.results), [r.finish_reason for r in summary.results]
         assert all(r.error.startswith("stream error") for r in summary.results), summary.errors
         try:

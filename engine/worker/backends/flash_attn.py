@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.attention import AttentionMetadata
+from engine.worker.attention import AttentionMetadata, build_varlen_attention_metadata
 from engine.worker.backends.layout import kv_cache_shape, write_kv
 from engine.worker.backends.varlen import gather_kv
 
 
 class FlashAttnBackend:
     name = "flash_attn"
-    needs_varlen = True
 
     def __init__(self, block_size: int) -> None:
         from flash_attn import flash_attn_varlen_func
         self._varlen = flash_attn_varlen_func
 
     kv_cache_shape = staticmethod(kv_cache_shape)
+    build_metadata = staticmethod(build_varlen_attention_metadata)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:

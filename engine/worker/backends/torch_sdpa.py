@@ -4,15 +4,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.worker.attention import AttentionMetadata
+from engine.worker.attention import AttentionMetadata, build_torch_metadata
 from engine.worker.backends.layout import kv_cache_shape, write_kv
 
 
 class TorchSDPABackend:
     name = "torch"
-    needs_varlen = False  # consumes the decode groups and prefill ranges of AttentionMetadata
 
     kv_cache_shape = staticmethod(kv_cache_shape)
+    build_metadata = staticmethod(build_torch_metadata)  # decode groups and prefill ranges
 
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -26,13 +26,13 @@ class TorchSDPABackend:
         gqa = q.shape[1] != num_kv_heads
 
         for d in meta.decodes:
-            rows = d.end - d.start
+            rows = len(d.rows)
             # index_select on the flat block list is ~2x faster than advanced indexing.
             keys = k_cache.index_select(0, d.block_ids).view(rows, -1, num_kv_heads, head_dim).transpose(1, 2)
             values = v_cache.index_select(0, d.block_ids).view(rows, -1, num_kv_heads, head_dim).transpose(1, 2)
-            query = q[d.start:d.end].unsqueeze(2)  # [rows, num_heads, 1, head_dim]
+            query = q.index_select(0, d.rows).unsqueeze(2)  # [rows, num_heads, 1, head_dim]
             o = _attend(query, keys, values, d.mask, scale, gqa, softcap)
-            out[d.start:d.end] = o.squeeze(2)
+            out.index_copy_(0, d.rows, o.squeeze(2))
 
         for p in meta.prefills:
             keys = k_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.seq_len].transpose(0, 1)

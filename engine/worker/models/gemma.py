@@ -12,8 +12,9 @@ from torch import nn
 
 from engine.worker.models.config import (ModelConfig, base_config, check_activation, rope_settings,
                                          windows_from_layer_types)
-from engine.worker.models.layers import MLP, Attention
+from engine.worker.models.layers import MLP, Attention, GemmaRMSNorm
 from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.ops import Kernels
 
 # Gemma 3 4B and up ship as image-text models: the text model inside is served, the vision tower
 # and projector are not loaded (prompts are text).
@@ -22,34 +23,24 @@ _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_mo
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-class GemmaRMSNorm(nn.Module):
-    """Scales by (1 + weight), in float32, and only then casts back (Llama casts first)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
-
-
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, layer_index: int) -> None:
         super().__init__()
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg, backend, layer_index, norm_class=GemmaRMSNorm)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.mlp = MLP(cfg)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        eps, ops = cfg.rms_norm_eps, kernels.ops
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, ops)
+        self.self_attn = Attention(cfg, kernels, layer_index, norm_class=GemmaRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, ops)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, ops)
+        self.mlp = MLP(cfg, ops)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, ops)
 
-    def forward(self, h, rope, kv_cache, metas):
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv_cache, metas))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def forward(self, h, residual, rope, kv_cache, metas):
+        # As Llama's (h: what the previous layer adds to the residual stream), with a norm
+        # after attention and after the MLP as well as before them.
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        attention = self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, metas))
+        x, residual = self.pre_feedforward_layernorm.add_norm(attention, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -1,4 +1,5 @@
-"""Layers the model families share: RMSNorm, rotary embeddings, paged attention and the gated MLP.
+"""Layers the model families share: RMSNorm, rotary embeddings, paged attention and the gated MLP,
+running on the kernels the runner chose (``Kernels``: an attention backend and its layer ops).
 
 A step's attention inputs travel as two dicts built once per step: ``rope`` maps a rope table's
 name ("global", or "local" for Gemma 3's sliding layers) to that step's (cos, signed_sin), and
@@ -9,13 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.worker.attention import AttentionMetadata
 from engine.worker.models.config import ModelConfig
-
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+from engine.worker.ops import Kernels
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -70,33 +68,33 @@ def rope_for_positions(inv_freqs: dict[str, tuple[torch.Tensor, float]], positio
     return out
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, bit for bit, in three kernels instead of six:
-    rotate_half(x) = cat(-x2, x1) = roll(x, half) with the sign folded into ``signed_sin``
-    (= cat(-sin1, sin2), from rope_for_positions). With partial rotary, only the first cos.shape[-1]
-    dims of each head turn."""
-    # x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, rotary_dim]
-    dim = cos.shape[-1]
-    if dim != x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :dim], cos, signed_sin), x[..., dim:]), dim=-1)
-    return x * cos + x.roll(dim // 2, dims=-1) * signed_sin
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Llama's RMSNorm, or Gemma's (scale by 1 + weight in float32, then cast). ``add_norm``
+    first adds x to the residual stream (the decoder's skip connection, fused with the norm)."""
+    gemma = False
+
+    def __init__(self, dim: int, eps: float, ops) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if self.gemma else torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps, self.gemma)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the first layer has no residual yet: x is it.
+        May overwrite x and residual (the native ops work in place)."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Scales by (1 + weight), in float32, and only then casts back (Llama casts first)."""
+    gemma = True
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, layer_index: int, norm_class=RMSNorm) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, layer_index: int, norm_class=RMSNorm) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -104,14 +102,15 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps, kernels.ops)
+            self.k_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps, kernels.ops)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.softcap = cfg.attn_softcap
         self.window = cfg.layer_windows[layer_index]
         self.rope_key = "local" if cfg.local_rope_theta is not None and self.window is not None else "global"
-        self.backend = backend
+        self.backend = kernels.attention
+        self.ops = kernels.ops
 
     def forward(self, x: torch.Tensor, rope: dict, kv_cache: torch.Tensor, metas: dict) -> torch.Tensor:
         # x: [num_tokens, hidden]
@@ -120,21 +119,20 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope[self.rope_key]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.rope(q, k, *rope[self.rope_key])
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        meta: AttentionMetadata = metas[self.window]
+        meta = metas[self.window]  # the attention backend's metadata for this layer's window
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)  # [tokens, heads, head_dim]
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act = cfg.hidden_act
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.act))

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.worker.models.config import ModelConfig, base_config, check_activation, qwen_layer_windows
 from engine.worker.models.layers import MLP, Attention, RMSNorm, rope_for_positions, rope_inv_freqs
+from engine.worker.ops import Kernels
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -27,23 +28,26 @@ def config_from_hf(cfg: dict, arch: str) -> ModelConfig:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, layer_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, layer_index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.ops)
+        self.self_attn = Attention(cfg, kernels, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.ops)
+        self.mlp = MLP(cfg, kernels.ops)
 
-    def forward(self, h, rope, kv_cache, metas):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, metas)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, rope, kv_cache, metas):
+        # h: what the previous layer adds to the residual stream (the embeddings, first);
+        # returns what this one adds, and the stream so far.
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, rope, kv_cache, metas), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
     layer_class = DecoderLayer
     norm_class = RMSNorm
 
-    def __init__(self, cfg: ModelConfig, backend) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.config = cfg
         # Built on the meta device and then loaded (ModelRunner), so nothing here computes: on
@@ -52,8 +56,8 @@ class LlamaForCausalLM(nn.Module):
         # come from init_rope(device), called once the model has left the meta device.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(self.layer_class(cfg, backend, i) for i in range(cfg.num_layers))
-        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(cfg, kernels, i) for i in range(cfg.num_layers))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, kernels.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -67,12 +71,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 metas: dict) -> torch.Tensor:
         # input_ids, positions: [num_tokens]; kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        # metas: AttentionMetadata of each sliding window (None: global) the layers use.
+        # metas: the attention backend's metadata for each sliding window (None: global) the layers use.
         h = self.embed(input_ids)
         rope = rope_for_positions(self.rope_inv_freqs, positions, h.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, kv_caches[i], metas)
-        return self.norm(h)  # [num_tokens, hidden]
+            h, residual = layer(h, residual, rope, kv_caches[i], metas)
+        return self.norm.add_norm(h, residual)[0]  # [num_tokens, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [num_rows, vocab]

@@ -1,0 +1,387 @@
+// Paged attention that reads K/V where they are: one call for a step's mixed batch (decodes,
+// prefill chunks with cached context), through the block table, with an online softmax.
+// No gather, no padding, no mask tensors. Sliding windows, tanh soft-capping, GQA.
+//
+// The arithmetic of one query row is fixed by the row alone, never by the batch around it:
+//   * keys are taken in chunks of W (the vector width) aligned at absolute positions, and in
+//     partitions of PARTITION keys aligned the same way;
+//   * inside a partition, an online softmax over its chunks (scores by transpose_sum, the
+//     probabilities times V added key by key in order);
+//   * the partitions' (max, sum, output) are merged in order into an empty state.
+// Whether a partition was computed by the same work item as its neighbours (a prefill tile)
+// or by its own (a long decode split across threads) changes nothing in the result, so an
+// output never depends on batching, chunking or thread count.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "vec.h"
+
+namespace engine_cpu {
+
+constexpr int PARTITION = 512;  // keys; a multiple of every W
+constexpr int TILE_ROWS = 48;   // query rows (tokens x heads of a group) a prefill work item takes
+
+struct AttentionArgs {
+  const void* q;  // [tokens, heads, head_dim], unit stride in head_dim
+  int64_t q_tok_stride, q_head_stride;
+  const void* k_cache;  // [blocks, block_size, kv_heads, head_dim]
+  const void* v_cache;
+  int64_t kv_block_stride, kv_tok_stride, kv_head_stride;
+  const int32_t* block_table;  // [reqs, bt_stride]
+  int64_t bt_stride;
+  const int32_t* query_start;  // [reqs + 1]
+  const int32_t* seq_lens;     // [reqs]: cached + new tokens
+  int num_reqs;
+  void* out;  // [tokens, heads, head_dim], unit stride in head_dim
+  int64_t o_tok_stride, o_head_stride;
+  int num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  float softcap;  // 0: none
+  int window;     // 0: none; else a query at position p sees keys (p - window, p]
+};
+
+// Running softmax state of one row: max, sum of exponentials, unnormalised output.
+struct RowState {
+  float m, l;
+  float* o;  // [head_dim]
+};
+
+// (m, l, o) += (pm, pl, po): the one merge used everywhere (exact when the left side is empty).
+inline void merge_state(RowState& into, float pm, float pl, const float* po, int nv) {
+  if (pm == neg_inf()) return;
+  float m = std::max(into.m, pm);
+  float a = exp_scalar(into.m - m), b = exp_scalar(pm - m);
+  into.l = into.l * a + pl * b;
+  Vec va = Vec::set1(a), vb = Vec::set1(b);
+  for (int v = 0; v < nv; ++v) {
+    Vec x = fmadd(Vec::load(po + v * W), vb, Vec::load(into.o + v * W) * va);
+    x.store(into.o + v * W);
+  }
+  into.m = m;
+}
+
+template <typename T, int NV>
+class PagedAttention {
+ public:
+  explicit PagedAttention(const AttentionArgs& a) : a_(a), group_(a.num_heads / a.num_kv_heads) {
+    plan();
+  }
+
+  // The caller runs compute(i) for every item, in any order and on any thread (most costly
+  // first balances best: order() lists them so), and then finish_split(k) for every split group.
+  int64_t num_items() const { return int64_t(items_.size()); }
+  std::vector<int64_t> order() const;
+  void compute(int64_t i, std::vector<float>& scratch) { compute(items_[i], scratch); }
+  int64_t num_split_groups() const { return int64_t(split_groups_.size()); }
+  void finish_split(int64_t k) const { finish_split(split_groups_[k].first, split_groups_[k].second); }
+
+ private:
+  struct Item {
+    int req, kv_head, tok_begin, tok_end;  // tokens relative to the request's first new token
+    int part_begin, part_end;              // partitions of keys this item computes
+    int64_t partial;                       // -1: writes the output; else its slot in partials_
+    int64_t cost;
+  };
+
+  const AttentionArgs& a_;
+  const int group_;
+  std::vector<Item> items_;
+  std::vector<float> partials_;  // per split item: group_ rows of (m, l, o[head_dim])
+  std::vector<std::pair<int, int>> split_groups_;  // (first item, number of items)
+
+  int q_len(int r) const { return a_.query_start[r + 1] - a_.query_start[r]; }
+  int context(int r) const { return a_.seq_lens[r] - q_len(r); }
+  // Keys [lo, hi) that the query at request-relative token t sees.
+  int key_hi(int r, int t) const { return context(r) + t + 1; }
+  int key_lo(int r, int t) const { return a_.window > 0 ? std::max(0, key_hi(r, t) - a_.window) : 0; }
+
+  void plan();
+  void compute(const Item& item, std::vector<float>& scratch);
+  void finish_split(int first_item, int num_items) const;
+  void write_row(int r, int t, int head, const RowState& s) const;
+};
+
+template <typename T, int NV>
+void PagedAttention<T, NV>::plan() {
+  const int64_t row_floats = 2 + a_.head_dim;
+  int64_t partial_rows = 0;
+  const int tile_tokens = std::max(1, TILE_ROWS / group_);
+  for (int r = 0; r < a_.num_reqs; ++r) {
+    const int n = q_len(r);
+    if (n == 0) continue;
+    if (n == 1) {
+      const int lo = key_lo(r, 0), hi = key_hi(r, 0);
+      const int pb = lo / PARTITION, pe = (hi - 1) / PARTITION + 1;
+      for (int h = 0; h < a_.num_kv_heads; ++h) {
+        if (pe - pb == 1) {
+          items_.push_back({r, h, 0, 1, pb, pe, -1, int64_t(hi - lo) * group_});
+          continue;
+        }
+        split_groups_.push_back({int(items_.size()), pe - pb});
+        for (int p = pb; p < pe; ++p) {  // a long decode: one item per partition, merged after
+          const int keys = std::min(hi, (p + 1) * PARTITION) - std::max(lo, p * PARTITION);
+          items_.push_back({r, h, 0, 1, p, p + 1, partial_rows * row_floats, int64_t(keys) * group_});
+          partial_rows += group_;
+        }
+      }
+      continue;
+    }
+    for (int t0 = 0; t0 < n; t0 += tile_tokens) {
+      const int t1 = std::min(n, t0 + tile_tokens);
+      const int lo = key_lo(r, t0), hi = key_hi(r, t1 - 1);
+      const int pb = lo / PARTITION, pe = (hi - 1) / PARTITION + 1;
+      for (int h = 0; h < a_.num_kv_heads; ++h)
+        items_.push_back({r, h, t0, t1, pb, pe, -1, int64_t(hi - lo) * (t1 - t0) * group_});
+    }
+  }
+  partials_.resize(partial_rows * row_floats);
+}
+
+template <typename T, int NV>
+std::vector<int64_t> PagedAttention<T, NV>::order() const {
+  std::vector<int64_t> idx(items_.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = int64_t(i);
+  std::stable_sort(idx.begin(), idx.end(), [this](int64_t x, int64_t y) { return items_[x].cost > items_[y].cost; });
+  return idx;
+}
+
+template <typename T, int NV>
+void PagedAttention<T, NV>::write_row(int r, int t, int head, const RowState& s) const {
+  T* out = static_cast<T*>(a_.out) + (a_.query_start[r] + t) * a_.o_tok_stride + head * a_.o_head_stride;
+  Vec inv = Vec::set1(1.0f / s.l);
+  for (int v = 0; v < NV; ++v) (Vec::load(s.o + v * W) * inv).store(out + v * W);
+}
+
+// Scores of one row against a chunk of W keys, as dot products (decode rows: a handful of rows
+// per chunk, so the keys are read as they lie): lane j = q . k_j, summed by transpose_sum.
+template <int NV>
+ALWAYS_INLINE Vec scores_by_dot(const float* q, const float* const* krow) {
+  Vec acc[W];
+  UNROLL for (int j = 0; j < W; ++j) acc[j] = Vec::zero();
+  for (int v = 0; v < NV; ++v) {
+    const Vec qv = Vec::load(q + v * W);
+    UNROLL for (int j = 0; j < W; ++j) acc[j] = fmadd(qv, Vec::load(krow[j] + v * W), acc[j]);
+  }
+  return transpose_sum(acc);
+}
+
+// Scores of RB rows against a chunk whose keys are staged transposed (kt[d * W + j]): lane j =
+// sum over d of q[d] * k_j[d], in order of d (prefill rows: many rows share the transpose).
+template <int NV, int RB>
+ALWAYS_INLINE void scores_by_broadcast(const float* const* q, const float* kt, Vec* out) {
+  Vec acc[RB];
+  UNROLL for (int r = 0; r < RB; ++r) acc[r] = Vec::zero();
+  for (int d = 0; d < NV * W; ++d) {
+    const Vec k = Vec::load(kt + d * W);
+    UNROLL for (int r = 0; r < RB; ++r) acc[r] = fmadd(Vec::set1(q[r][d]), k, acc[r]);
+  }
+  UNROLL for (int r = 0; r < RB; ++r) out[r] = acc[r];
+}
+
+// o_r = o_r * alpha_r + sum over keys j in [j0, j1), in order, of p_r[j] * v_j, for RB rows at
+// once (keys a row does not see have p = 0 and finite v, so they add an exact zero).
+template <int NV, int RB>
+ALWAYS_INLINE void accumulate_values(float* const* o, const float* const* p, const float* alpha, const float* const* vrow,
+                              int j0, int j1) {
+  // RB x VB accumulators and VB values stay in registers: 32 on AVX-512, 16 on AVX2.
+  constexpr int VB = (W == 16 && NV % 4 == 0) ? 4 : (NV % 2 == 0 ? 2 : 1);
+  static_assert(NV % VB == 0, "VB must divide NV");
+  for (int vb = 0; vb < NV; vb += VB) {
+    Vec acc[RB][VB];
+    UNROLL for (int r = 0; r < RB; ++r)
+      UNROLL for (int u = 0; u < VB; ++u) acc[r][u] = Vec::load(o[r] + (vb + u) * W) * Vec::set1(alpha[r]);
+    for (int j = j0; j < j1; ++j) {
+      Vec val[VB];
+      UNROLL for (int u = 0; u < VB; ++u) val[u] = Vec::load(vrow[j] + (vb + u) * W);
+      UNROLL for (int r = 0; r < RB; ++r) {
+        const Vec pj = Vec::set1(p[r][j]);
+        UNROLL for (int u = 0; u < VB; ++u) acc[r][u] = fmadd(pj, val[u], acc[r][u]);
+      }
+    }
+    UNROLL for (int r = 0; r < RB; ++r)
+      UNROLL for (int u = 0; u < VB; ++u) acc[r][u].store(o[r] + (vb + u) * W);
+  }
+}
+
+// f(integral_constant<rb>) for a block of 1 to 4 rows.
+template <typename F>
+inline void with_rows(int rb, F&& f) {
+  switch (rb) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// One work item: rows (token t, head kv_head * group + g) for t in [tok_begin, tok_end).
+template <typename T, int NV>
+void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch) {
+  constexpr int HD = NV * W;
+  const int g = group_;
+  const int rows = (it.tok_end - it.tok_begin) * g;
+  const bool decode = q_len(it.req) == 1;
+  // scratch: q rows, run o, partition o, staged K (as rows, and transposed) and V, a zero row,
+  // per-row scalars and probabilities
+  scratch.resize(size_t(rows) * HD * 3 + size_t(W) * HD * 3 + HD + size_t(rows) * (6 + W));
+  float* qf = scratch.data();
+  float* run_o = qf + size_t(rows) * HD;
+  float* part_o = run_o + size_t(rows) * HD;
+  float* kc = part_o + size_t(rows) * HD;
+  float* kt = kc + size_t(W) * HD;
+  float* vc = kt + size_t(W) * HD;
+  float* zero = vc + size_t(W) * HD;
+  float* run_m = zero + HD;
+  float* run_l = run_m + rows;
+  float* part_m = run_l + rows;
+  float* part_l = part_m + rows;
+  int* row_lo = reinterpret_cast<int*>(part_l + rows);
+  int* row_hi = row_lo + rows;
+  float* probs = reinterpret_cast<float*>(row_hi + rows);  // [rows][W]
+  std::fill(zero, zero + HD, 0.0f);
+
+  const int r = it.req;
+  const T* q = static_cast<const T*>(a_.q);
+  for (int i = 0; i < rows; ++i) {
+    const int t = it.tok_begin + i / g, head = it.kv_head * g + i % g;
+    const T* src = q + (a_.query_start[r] + t) * a_.q_tok_stride + head * a_.q_head_stride;
+    for (int v = 0; v < NV; ++v) Vec::load(src + v * W).store(qf + size_t(i) * HD + v * W);
+    row_lo[i] = key_lo(r, t);
+    row_hi[i] = key_hi(r, t);
+    run_m[i] = neg_inf();
+    run_l[i] = 0.0f;
+    std::fill(run_o + size_t(i) * HD, run_o + size_t(i + 1) * HD, 0.0f);
+  }
+  const int lo = row_lo[0], hi = row_hi[rows - 1];
+  const int32_t* table = a_.block_table + int64_t(r) * a_.bt_stride;
+  const T* kbase = static_cast<const T*>(a_.k_cache) + it.kv_head * a_.kv_head_stride;
+  const T* vbase = static_cast<const T*>(a_.v_cache) + it.kv_head * a_.kv_head_stride;
+  const Vec scale = Vec::set1(a_.scale);
+  const bool capped = a_.softcap > 0.0f;
+  const Vec cap = Vec::set1(a_.softcap), inv_cap = Vec::set1(capped ? 1.0f / a_.softcap : 0.0f);
+  const Vec lane = Vec::iota(), minus_inf = Vec::set1(neg_inf());
+  const float* krow[W];
+  const float* vrow[W];
+  constexpr int RB = 4;
+
+  for (int part = it.part_begin; part < it.part_end; ++part) {
+    const int pk0 = std::max(lo, part * PARTITION), pk1 = std::min(hi, (part + 1) * PARTITION);
+    for (int i = 0; i < rows; ++i) {
+      part_m[i] = neg_inf();
+      part_l[i] = 0.0f;
+      std::fill(part_o + size_t(i) * HD, part_o + size_t(i + 1) * HD, 0.0f);
+    }
+    for (int c0 = pk0 / W * W; c0 < pk1; c0 += W) {
+      // Stage the chunk's keys and values as float rows; keys outside [pk0, pk1) read zeros.
+      int blk = c0 / a_.block_size, off = c0 % a_.block_size;
+      for (int j = 0; j < W; ++j) {
+        const int k = c0 + j;
+        if (k < pk0 || k >= pk1) {
+          krow[j] = vrow[j] = zero;
+        } else {
+          const int64_t at = int64_t(table[blk]) * a_.kv_block_stride + int64_t(off) * a_.kv_tok_stride;
+          if constexpr (std::is_same_v<T, float>) {
+            krow[j] = kbase + at;
+            vrow[j] = vbase + at;
+          } else {
+            for (int v = 0; v < NV; ++v) {
+              Vec::load(kbase + at + v * W).store(kc + j * HD + v * W);
+              Vec::load(vbase + at + v * W).store(vc + j * HD + v * W);
+            }
+            krow[j] = kc + j * HD;
+            vrow[j] = vc + j * HD;
+          }
+        }
+        if (++off == a_.block_size) { off = 0; ++blk; }
+      }
+      if (!decode)
+        for (int j = 0; j < W; ++j)
+          for (int d = 0; d < HD; ++d) kt[d * W + j] = krow[j][d];
+
+      // Rows in blocks of RB (a row that sees nothing of the chunk is skipped: it would add
+      // nothing), each: scores, its mask, the online-softmax update, then the values.
+      int active[RB], na = 0;
+      auto flush = [&]() {
+        float* o[RB];
+        const float* pp[RB];
+        float alpha[RB];
+        Vec s[RB];
+        int j0 = W, j1 = 0;
+        const float* qrows[RB];
+        for (int b = 0; b < na; ++b) qrows[b] = qf + size_t(active[b]) * HD;
+        if (decode) {
+          for (int b = 0; b < na; ++b) s[b] = scores_by_dot<NV>(qrows[b], krow);
+        } else {
+          with_rows(na, [&](auto rb) { scores_by_broadcast<NV, decltype(rb)::value>(qrows, kt, s); });
+        }
+        for (int b = 0; b < na; ++b) {
+          const int i = active[b];
+          const int klo = std::max(row_lo[i], pk0), khi = std::min(row_hi[i], pk1);
+          Vec x = s[b] * scale;
+          if (capped) x = vtanh(x * inv_cap) * cap;
+          x = where_less(lane, Vec::set1(float(klo - c0)), minus_inf, x);  // lanes outside [klo, khi): -inf
+          x = where_less(lane, Vec::set1(float(khi - c0)), x, minus_inf);
+          const float m_new = std::max(part_m[i], reduce_max(x));
+          alpha[b] = exp_scalar(part_m[i] - m_new);
+          const Vec e = vexp(x - Vec::set1(m_new));
+          part_l[i] = part_l[i] * alpha[b] + reduce_add(e);
+          part_m[i] = m_new;
+          e.store(probs + size_t(i) * W);
+          pp[b] = probs + size_t(i) * W;
+          o[b] = part_o + size_t(i) * HD;
+          j0 = std::min(j0, std::max(klo - c0, 0));
+          j1 = std::max(j1, std::min(khi - c0, W));
+        }
+        with_rows(na, [&](auto rb) { accumulate_values<NV, decltype(rb)::value>(o, pp, alpha, vrow, j0, j1); });
+        na = 0;
+      };
+      for (int i = 0; i < rows; ++i) {
+        const int klo = std::max(row_lo[i], pk0), khi = std::min(row_hi[i], pk1);
+        if (klo >= khi || khi <= c0 || klo >= c0 + W) continue;  // nothing this row sees in the chunk
+        active[na++] = i;
+        if (na == RB) flush();
+      }
+      if (na > 0) flush();
+    }
+    if (it.partial >= 0) {  // a split decode: hand the partition's state to finish_split
+      float* dst = partials_.data() + it.partial;
+      for (int i = 0; i < rows; ++i, dst += 2 + HD) {
+        dst[0] = part_m[i];
+        dst[1] = part_l[i];
+        std::copy(part_o + size_t(i) * HD, part_o + size_t(i + 1) * HD, dst + 2);
+      }
+      return;
+    }
+    for (int i = 0; i < rows; ++i) {
+      RowState st{run_m[i], run_l[i], run_o + size_t(i) * HD};
+      merge_state(st, part_m[i], part_l[i], part_o + size_t(i) * HD, NV);
+      run_m[i] = st.m;
+      run_l[i] = st.l;
+    }
+  }
+  for (int i = 0; i < rows; ++i)
+    write_row(r, it.tok_begin + i / g, it.kv_head * g + i % g, RowState{run_m[i], run_l[i], run_o + size_t(i) * HD});
+}
+
+// Items [first, first + n) are one split decode (same request and kv head, partitions in order).
+template <typename T, int NV>
+void PagedAttention<T, NV>::finish_split(int first, int n) const {
+  const int hd = a_.head_dim;
+  std::vector<float> o(size_t(group_) * hd, 0.0f);
+  for (int gi = 0; gi < group_; ++gi) {
+    RowState s{neg_inf(), 0.0f, o.data() + size_t(gi) * hd};
+    for (int k = 0; k < n; ++k) {
+      const float* src = partials_.data() + items_[first + k].partial + int64_t(gi) * (2 + hd);
+      merge_state(s, src[0], src[1], src + 2, NV);
+    }
+    write_row(items_[first].req, 0, items_[first].kv_head * group_ + gi, s);
+  }
+}
+
+}  // namespace engine_cpu

@@ -1,0 +1,296 @@
+// torch bindings of the CPU kernels. Compiled twice, once per ISA, through csrc/cpu/isa/*.cpp:
+//   engine/_C_avx512 (-mavx512f ...)  registers torch.ops.engine_avx512.*
+//   engine/_C_avx2   (-mavx2 -mfma)   registers torch.ops.engine_avx2.*
+// engine/worker/native.py imports the one this CPU runs (both on an AVX-512 machine, for tests).
+// Every op checks what it is given (device, dtype, shapes, strides, indices) before a kernel
+// reads a byte, and raises a RuntimeError (a Python exception) instead.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <type_traits>
+#include <vector>
+
+#include "attention.h"
+#include "elementwise.h"
+
+#ifndef ENGINE_EXT_NAME
+#error "define ENGINE_EXT_NAME (the module name) and ENGINE_OPS_NS (the op namespace)"
+#endif
+
+namespace engine_cpu {
+namespace {
+
+template <typename F>
+void with_storage_type(const at::Tensor& t, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(bf16_t{}); break;
+    case at::kHalf: f(fp16_t{}); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", t.scalar_type(), " (float32, bfloat16 or float16)");
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == n && t.stride(1) == 1, name, " must be [rows, ", n,
+              "] with unit stride in its last dim, got sizes ", t.sizes(), " strides ", t.strides());
+}
+
+// Head sizes the attention kernel is built for (compile-time, so a row's accumulators stay in
+// registers); engine/worker/native.py routes other sizes to the torch backend.
+template <typename F>
+void with_head_dim(int64_t head_dim, F&& f) {
+  switch (head_dim) {
+    case 16: f(std::integral_constant<int, 16 / W>{}); break;
+    case 32: f(std::integral_constant<int, 32 / W>{}); break;
+    case 64: f(std::integral_constant<int, 64 / W>{}); break;
+    case 96: f(std::integral_constant<int, 96 / W>{}); break;
+    case 128: f(std::integral_constant<int, 128 / W>{}); break;
+    case 256: f(std::integral_constant<int, 256 / W>{}); break;
+    default: TORCH_CHECK(false, "paged_attention supports head_dim 16, 32, 64, 96, 128 and 256, not ", head_dim);
+  }
+}
+
+// Runs fn(i) for i in [0, n) on torch's intra-op threads; each thread takes the next index
+// from a shared counter, so items of uneven cost spread evenly.
+template <typename F>
+void parallel_items(int64_t n, F&& fn) {
+  if (n == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
+}
+
+// Row kernels run in parallel over rows once a step is big enough to pay for the threads.
+template <typename F>
+void parallel_rows(int64_t rows, int64_t row_elems, F&& fn) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) fn(i);
+  });
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, double scale, double softcap, int64_t window) {
+  const auto dtype = query.scalar_type();
+  check_cpu(out, "out", dtype);
+  check_cpu(key_cache, "key_cache", dtype);
+  check_cpu(value_cache, "value_cache", dtype);
+  check_cpu(block_table, "block_table", at::kInt);
+  check_cpu(query_start_loc, "query_start_loc", at::kInt);
+  check_cpu(seq_lens, "seq_lens", at::kInt);
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && query.sizes() == out.sizes(),
+              "query and out must be [tokens, heads, head_dim] of one shape");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides(),
+              "key_cache and value_cache must be [blocks, block_size, kv_heads, head_dim] of one layout");
+  const int64_t heads = query.size(1), head_dim = query.size(2), kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "key_cache head_dim ", key_cache.size(3), " != query's ", head_dim);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads are not a multiple of ", kv_heads,
+              " kv heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1,
+              "head_dim must have unit stride");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.is_contiguous(), "block_table must be a contiguous [reqs, n]");
+  TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous(), "index tensors must be contiguous");
+  const int64_t reqs = seq_lens.numel();
+  TORCH_CHECK(query_start_loc.numel() == reqs + 1 && block_table.size(0) >= reqs,
+              "query_start_loc needs reqs + 1 entries and block_table a row per request");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  const int32_t* qs = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0), bt_stride = block_table.size(1);
+  TORCH_CHECK(qs[0] == 0 && qs[reqs] == query.size(0), "query_start_loc must run from 0 to the number of tokens");
+  for (int64_t r = 0; r < reqs; ++r) {
+    const int64_t n = qs[r + 1] - qs[r];
+    TORCH_CHECK(n >= 0 && sl[r] >= n, "request ", r, ": ", n, " new tokens but seq_len ", sl[r]);
+    const int64_t blocks = (sl[r] + block_size - 1) / block_size;
+    TORCH_CHECK(blocks <= bt_stride, "request ", r, ": seq_len ", sl[r], " needs ", blocks, " blocks, the table has ",
+                bt_stride);
+    for (int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK(bt[r * bt_stride + b] >= 0 && bt[r * bt_stride + b] < num_blocks, "request ", r,
+                  ": block id ", bt[r * bt_stride + b], " out of range");
+  }
+  AttentionArgs a{query.data_ptr(), query.stride(0), query.stride(1),
+                  key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
+                  key_cache.stride(2), bt, bt_stride, qs, sl, int(reqs),
+                  out.data_ptr(), out.stride(0), out.stride(1),
+                  int(heads), int(kv_heads), int(head_dim), int(block_size),
+                  float(scale), float(softcap), int(window)};
+  with_storage_type(query, [&](auto tag) {
+    with_head_dim(head_dim, [&](auto nv) {
+      PagedAttention<decltype(tag), decltype(nv)::value> attention(a);
+      const std::vector<int64_t> order = attention.order();
+      parallel_items(attention.num_items(), [&](int64_t i) {
+        thread_local std::vector<float> scratch;
+        attention.compute(order[i], scratch);
+      });
+      parallel_items(attention.num_split_groups(), [&](int64_t k) { attention.finish_split(k); });
+    });
+  });
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping) {
+  const auto dtype = key_cache.scalar_type();
+  check_cpu(key, "key", dtype);
+  check_cpu(value, "value", dtype);
+  check_cpu(value_cache, "value_cache", dtype);
+  check_cpu(slot_mapping, "slot_mapping", at::kLong);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides() && key_cache.stride(3) == 1 &&
+                  key_cache.stride(2) == key_cache.size(3),
+              "caches must be [blocks, block_size, kv_heads, head_dim] with dense heads");
+  const int64_t tokens = slot_mapping.numel(), kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  TORCH_CHECK(key.dim() == 3 && key.size(0) == tokens && key.size(1) == kv_heads && key.size(2) == head_dim &&
+                  key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
+                  key.stride(1) == head_dim && value.stride(1) == head_dim,
+              "key and value must be [tokens, kv_heads, head_dim] with dense heads");
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  const int64_t slots = key_cache.size(0) * key_cache.size(1), block_size = key_cache.size(1);
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sm[t] >= 0 && sm[t] < slots, "slot ", sm[t], " of token ", t, " is outside the cache (", slots, ")");
+  const int64_t row_bytes = kv_heads * head_dim * key.element_size();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t es = key.element_size();
+  parallel_rows(tokens, kv_heads * head_dim, [&](int64_t t) {
+    const int64_t at_ = (sm[t] / block_size) * key_cache.stride(0) * es + (sm[t] % block_size) * key_cache.stride(1) * es;
+    std::memcpy(kc + at_, k + t * key.stride(0) * es, row_bytes);
+    std::memcpy(vc + at_, v + t * value.stride(0) * es, row_bytes);
+  });
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps, int64_t kind) {
+  const auto dtype = input.scalar_type();
+  check_cpu(out, "out", dtype);
+  check_cpu(weight, "weight", dtype);
+  const int64_t n = input.size(-1);
+  check_rows(input, "input", n);
+  check_rows(out, "out", n);
+  TORCH_CHECK(out.size(0) == input.size(0) && weight.numel() == n && weight.is_contiguous(), "shape mismatch");
+  TORCH_CHECK(kind == 0 || kind == 1, "kind: 0 (Llama) or 1 (Gemma)");
+  with_storage_type(input, [&](auto tag) {
+    using T = decltype(tag);
+    T* y = static_cast<T*>(out.data_ptr());
+    const T* x = static_cast<const T*>(input.data_ptr());
+    const T* w = static_cast<const T*>(weight.data_ptr());
+    parallel_rows(input.size(0), n, [&](int64_t i) {
+      rms_norm_row(y + i * out.stride(0), x + i * input.stride(0), w, int(n), float(eps), NormKind(kind));
+    });
+  });
+}
+
+void add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps, int64_t kind) {
+  const auto dtype = input.scalar_type();
+  check_cpu(residual, "residual", dtype);
+  check_cpu(weight, "weight", dtype);
+  const int64_t n = input.size(-1);
+  check_rows(input, "input", n);
+  check_rows(residual, "residual", n);
+  TORCH_CHECK(residual.size(0) == input.size(0) && weight.numel() == n && weight.is_contiguous(), "shape mismatch");
+  TORCH_CHECK(kind == 0 || kind == 1, "kind: 0 (Llama) or 1 (Gemma)");
+  with_storage_type(input, [&](auto tag) {
+    using T = decltype(tag);
+    T* x = static_cast<T*>(input.data_ptr());
+    T* res = static_cast<T*>(residual.data_ptr());
+    const T* w = static_cast<const T*>(weight.data_ptr());
+    parallel_rows(input.size(0), n, [&](int64_t i) {
+      add_rms_norm_row(x + i * input.stride(0), res + i * residual.stride(0), w, int(n), float(eps), NormKind(kind));
+    });
+  });
+}
+
+void act_and_mul(at::Tensor& out, const at::Tensor& input, int64_t act) {
+  check_cpu(out, "out", input.scalar_type());
+  const int64_t n = out.size(-1);
+  check_rows(input, "input", 2 * n);
+  check_rows(out, "out", n);
+  TORCH_CHECK(out.size(0) == input.size(0), "out and input must have the same rows");
+  TORCH_CHECK(act == 0 || act == 1, "act: 0 (SiLU) or 1 (GeLU tanh)");
+  with_storage_type(input, [&](auto tag) {
+    using T = decltype(tag);
+    T* y = static_cast<T*>(out.data_ptr());
+    const T* x = static_cast<const T*>(input.data_ptr());
+    parallel_rows(input.size(0), 3 * n, [&](int64_t i) {
+      act_and_mul_row(y + i * out.stride(0), x + i * input.stride(0), int(n), Activation(act));
+    });
+  });
+}
+
+// query [tokens, heads, head_dim], key [tokens, kv_heads, head_dim] (views with unit head_dim
+// stride), cos and signed sin [tokens, rotary_dim]: the first rotary_dim dims of every head turn.
+void rope(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at::Tensor& ssin) {
+  const auto dtype = query.scalar_type();
+  check_cpu(key, "key", dtype);
+  check_cpu(cos, "cos", dtype);
+  check_cpu(ssin, "sin", dtype);
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == key.size(0) && query.size(2) == key.size(2) &&
+                  query.stride(2) == 1 && key.stride(2) == 1,
+              "query and key must be [tokens, heads, head_dim] with unit stride in head_dim");
+  const int64_t tokens = query.size(0), rot = cos.size(-1);
+  TORCH_CHECK(cos.sizes() == ssin.sizes() && cos.is_contiguous() && ssin.is_contiguous() &&
+                  cos.numel() == tokens * rot,
+              "cos and sin must be contiguous [tokens, rotary_dim]");
+  TORCH_CHECK(rot % 2 == 0 && rot <= query.size(2) && rot <= 1024, "bad rotary_dim ", rot);
+  with_storage_type(query, [&](auto tag) {
+    using T = decltype(tag);
+    T* q = static_cast<T*>(query.data_ptr());
+    T* k = static_cast<T*>(key.data_ptr());
+    const T* c = static_cast<const T*>(cos.data_ptr());
+    const T* s = static_cast<const T*>(ssin.data_ptr());
+    const int64_t hq = query.size(1), hk = key.size(1);
+    parallel_rows(tokens, (hq + hk) * rot, [&](int64_t t) {
+      for (int64_t h = 0; h < hq; ++h) rope_head(q + t * query.stride(0) + h * query.stride(1), c + t * rot, s + t * rot, int(rot));
+      for (int64_t h = 0; h < hk; ++h) rope_head(k + t * key.stride(0) + h * key.stride(1), c + t * rot, s + t * rot, int(rot));
+    });
+  });
+}
+
+}  // namespace
+}  // namespace engine_cpu
+
+TORCH_LIBRARY(ENGINE_OPS_NS, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale, float softcap, int window) -> ()");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps, int kind) -> ()");
+  m.def("add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, int kind) -> ()");
+  m.def("act_and_mul(Tensor(a!) out, Tensor input, int act) -> ()");
+  m.def("rope(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ENGINE_OPS_NS, CPU, m) {
+  m.impl("paged_attention", &engine_cpu::paged_attention);
+  m.impl("reshape_and_cache", &engine_cpu::reshape_and_cache);
+  m.impl("rms_norm", &engine_cpu::rms_norm);
+  m.impl("add_rms_norm", &engine_cpu::add_rms_norm);
+  m.impl("act_and_mul", &engine_cpu::act_and_mul);
+  m.impl("rope", &engine_cpu::rope);
+}
+
+#define ENGINE_STR2(x) #x
+#define ENGINE_STR(x) ENGINE_STR2(x)
+#define ENGINE_CAT2(a, b) a##b
+#define ENGINE_CAT(a, b) ENGINE_CAT2(a, b)
+
+// Importing the module (engine._C_avx512 / engine._C_avx2) registers the ops above.
+extern "C" PyMODINIT_FUNC ENGINE_CAT(PyInit_, ENGINE_EXT_NAME)(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, ENGINE_STR(ENGINE_EXT_NAME), "engine CPU kernels", -1, nullptr};
+  return PyModule_Create(&def);
+}
