@@ -69,9 +69,7 @@ inline void merge_state(RowState& into, float pm, float pl, const float* po, int
 template <typename T, int NV>
 class PagedAttention {
  public:
-  explicit PagedAttention(const AttentionArgs& a) : a_(a), group_(a.num_heads / a.num_kv_heads) {
-    plan();
-  }
+  explicit PagedAttention(const AttentionArgs& a) : a_(a), group_(a.num_heads / a.num_kv_heads) { plan(); }
 
   // The caller runs compute(i) for every item, in any order and on any thread (most costly
   // first balances best: order() lists them so), and then finish_split(k) for every split group.
@@ -82,17 +80,20 @@ class PagedAttention {
   void finish_split(int64_t k) const { finish_split(split_groups_[k].first, split_groups_[k].second); }
 
  private:
+  // Rows of an item: (token t, query head) for t in [tok_begin, tok_end) and the query heads of
+  // kv heads [kv_begin, kv_end); row i is token tok_begin + i / (heads * group), kv head
+  // kv_begin + i / group % heads, query head (that kv head) * group + i % group.
   struct Item {
-    int req, kv_head, tok_begin, tok_end;  // tokens relative to the request's first new token
-    int part_begin, part_end;              // partitions of keys this item computes
-    int64_t partial;                       // -1: writes the output; else its slot in partials_
+    int req, kv_begin, kv_end, tok_begin, tok_end;  // tokens relative to the request's first new token
+    int part_begin, part_end;                        // partitions of keys this item computes
+    int64_t partial;                                 // -1: writes the output; else its slot in partials_
     int64_t cost;
   };
 
   const AttentionArgs& a_;
   const int group_;
   std::vector<Item> items_;
-  std::vector<float> partials_;  // per split item: group_ rows of (m, l, o[head_dim])
+  std::vector<float> partials_;  // per split item: its rows' (m, l, o[head_dim])
   std::vector<std::pair<int, int>> split_groups_;  // (first item, number of items)
 
   int q_len(int r) const { return a_.query_start[r + 1] - a_.query_start[r]; }
@@ -110,37 +111,38 @@ class PagedAttention {
 template <typename T, int NV>
 void PagedAttention<T, NV>::plan() {
   const int64_t row_floats = 2 + a_.head_dim;
-  int64_t partial_rows = 0;
+  int64_t partial_floats = 0;
   const int tile_tokens = std::max(1, TILE_ROWS / group_);
   for (int r = 0; r < a_.num_reqs; ++r) {
     const int n = q_len(r);
     if (n == 0) continue;
     if (n == 1) {
-      const int lo = key_lo(r, 0), hi = key_hi(r, 0);
+      // A decode: every kv head in one item, so its blocks stream through memory in order; a
+      // long one is split by partition (merged after), so it spreads over the threads.
+      const int lo = key_lo(r, 0), hi = key_hi(r, 0), heads = a_.num_kv_heads;
       const int pb = lo / PARTITION, pe = (hi - 1) / PARTITION + 1;
-      for (int h = 0; h < a_.num_kv_heads; ++h) {
-        if (pe - pb == 1) {
-          items_.push_back({r, h, 0, 1, pb, pe, -1, int64_t(hi - lo) * group_});
-          continue;
-        }
-        split_groups_.push_back({int(items_.size()), pe - pb});
-        for (int p = pb; p < pe; ++p) {  // a long decode: one item per partition, merged after
-          const int keys = std::min(hi, (p + 1) * PARTITION) - std::max(lo, p * PARTITION);
-          items_.push_back({r, h, 0, 1, p, p + 1, partial_rows * row_floats, int64_t(keys) * group_});
-          partial_rows += group_;
-        }
+      if (pe - pb == 1) {
+        items_.push_back({r, 0, heads, 0, 1, pb, pe, -1, int64_t(hi - lo) * a_.num_heads});
+        continue;
+      }
+      split_groups_.push_back({int(items_.size()), pe - pb});
+      for (int p = pb; p < pe; ++p) {
+        const int keys = std::min(hi, (p + 1) * PARTITION) - std::max(lo, p * PARTITION);
+        items_.push_back({r, 0, heads, 0, 1, p, p + 1, partial_floats, int64_t(keys) * a_.num_heads});
+        partial_floats += a_.num_heads * row_floats;
       }
       continue;
     }
+    // Prefill rows: tiles of tokens, one kv head each (the tile's keys stay in cache across its rows).
     for (int t0 = 0; t0 < n; t0 += tile_tokens) {
       const int t1 = std::min(n, t0 + tile_tokens);
       const int lo = key_lo(r, t0), hi = key_hi(r, t1 - 1);
       const int pb = lo / PARTITION, pe = (hi - 1) / PARTITION + 1;
       for (int h = 0; h < a_.num_kv_heads; ++h)
-        items_.push_back({r, h, t0, t1, pb, pe, -1, int64_t(hi - lo) * (t1 - t0) * group_});
+        items_.push_back({r, h, h + 1, t0, t1, pb, pe, -1, int64_t(hi - lo) * (t1 - t0) * group_});
     }
   }
-  partials_.resize(partial_rows * row_floats);
+  partials_.resize(partial_floats);
 }
 
 template <typename T, int NV>
@@ -220,12 +222,12 @@ inline void with_rows(int rb, F&& f) {
   }
 }
 
-// One work item: rows (token t, head kv_head * group + g) for t in [tok_begin, tok_end).
 template <typename T, int NV>
 void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch) {
   constexpr int HD = NV * W;
-  const int g = group_;
-  const int rows = (it.tok_end - it.tok_begin) * g;
+  constexpr int RB = 4;
+  const int g = group_, heads = it.kv_end - it.kv_begin, per_token = heads * g;
+  const int rows = (it.tok_end - it.tok_begin) * per_token;
   const bool decode = q_len(it.req) == 1;
   // scratch: q rows, run o, partition o, staged K (as rows, and transposed) and V, a zero row,
   // per-row scalars and probabilities
@@ -247,28 +249,42 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   std::fill(zero, zero + HD, 0.0f);
 
   const int r = it.req;
+  auto head_of = [&](int i) { return (it.kv_begin + i / g % heads) * g + i % g; };
+  auto token_of = [&](int i) { return it.tok_begin + i / per_token; };
   const T* q = static_cast<const T*>(a_.q);
   for (int i = 0; i < rows; ++i) {
-    const int t = it.tok_begin + i / g, head = it.kv_head * g + i % g;
-    const T* src = q + (a_.query_start[r] + t) * a_.q_tok_stride + head * a_.q_head_stride;
+    const T* src = q + (a_.query_start[r] + token_of(i)) * a_.q_tok_stride + head_of(i) * a_.q_head_stride;
     for (int v = 0; v < NV; ++v) Vec::load(src + v * W).store(qf + size_t(i) * HD + v * W);
-    row_lo[i] = key_lo(r, t);
-    row_hi[i] = key_hi(r, t);
+    row_lo[i] = key_lo(r, token_of(i));
+    row_hi[i] = key_hi(r, token_of(i));
     run_m[i] = neg_inf();
     run_l[i] = 0.0f;
     std::fill(run_o + size_t(i) * HD, run_o + size_t(i + 1) * HD, 0.0f);
   }
   const int lo = row_lo[0], hi = row_hi[rows - 1];
   const int32_t* table = a_.block_table + int64_t(r) * a_.bt_stride;
-  const T* kbase = static_cast<const T*>(a_.k_cache) + it.kv_head * a_.kv_head_stride;
-  const T* vbase = static_cast<const T*>(a_.v_cache) + it.kv_head * a_.kv_head_stride;
+  const T* kcache = static_cast<const T*>(a_.k_cache);
+  const T* vcache = static_cast<const T*>(a_.v_cache);
   const Vec scale = Vec::set1(a_.scale);
   const bool capped = a_.softcap > 0.0f;
   const Vec cap = Vec::set1(a_.softcap), inv_cap = Vec::set1(capped ? 1.0f / a_.softcap : 0.0f);
   const Vec lane = Vec::iota(), minus_inf = Vec::set1(neg_inf());
-  const float* krow[W];
+  int64_t key_at[W];  // element offset of each key of the chunk (its first kv head), -1 outside
+  const float* krow[W];  // the chunk's keys and values as float rows
   const float* vrow[W];
-  constexpr int RB = 4;
+  const int64_t head_bytes = int64_t(heads) * HD * sizeof(T);
+
+  // Offsets of keys [c0, c0 + W) through the block table; those outside [k0, k1) get -1.
+  auto locate = [&](int c0, int k0, int k1, int64_t* at) {
+    int blk = c0 / a_.block_size, off = c0 % a_.block_size;
+    for (int j = 0; j < W; ++j) {
+      const int k = c0 + j;
+      at[j] = (k < k0 || k >= k1) ? -1
+              : int64_t(table[blk]) * a_.kv_block_stride + int64_t(off) * a_.kv_tok_stride +
+                    int64_t(it.kv_begin) * a_.kv_head_stride;
+      if (++off == a_.block_size) { off = 0; ++blk; }
+    }
+  };
 
   for (int part = it.part_begin; part < it.part_end; ++part) {
     const int pk0 = std::max(lo, part * PARTITION), pk1 = std::min(hi, (part + 1) * PARTITION);
@@ -277,77 +293,93 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
       part_l[i] = 0.0f;
       std::fill(part_o + size_t(i) * HD, part_o + size_t(i + 1) * HD, 0.0f);
     }
+    locate(pk0 / W * W, pk0, pk1, key_at);
     for (int c0 = pk0 / W * W; c0 < pk1; c0 += W) {
-      // Stage the chunk's keys and values as float rows; keys outside [pk0, pk1) read zeros.
-      int blk = c0 / a_.block_size, off = c0 % a_.block_size;
-      for (int j = 0; j < W; ++j) {
-        const int k = c0 + j;
-        if (k < pk0 || k >= pk1) {
-          krow[j] = vrow[j] = zero;
-        } else {
-          const int64_t at = int64_t(table[blk]) * a_.kv_block_stride + int64_t(off) * a_.kv_tok_stride;
+      int64_t next_at[W];
+      if (c0 + W < pk1) locate(c0 + W, pk0, pk1, next_at);
+      if (c0 + W < pk1) {  // start the next chunk's loads now: blocks lie anywhere in the pool
+        for (int j = 0; j < W; ++j) {
+          if (next_at[j] < 0) continue;
+          const char* kp = reinterpret_cast<const char*>(kcache + next_at[j]);
+          const char* vp = reinterpret_cast<const char*>(vcache + next_at[j]);
+          for (int64_t b = 0; b < head_bytes; b += 64) {
+            _mm_prefetch(kp + b, _MM_HINT_T0);
+            _mm_prefetch(vp + b, _MM_HINT_T0);
+          }
+        }
+      }
+      for (int hh = 0; hh < heads; ++hh) {
+        // Stage this kv head's keys and values of the chunk as float rows; keys outside
+        // [pk0, pk1) read zeros.
+        for (int j = 0; j < W; ++j) {
+          if (key_at[j] < 0) {
+            krow[j] = vrow[j] = zero;
+            continue;
+          }
+          const int64_t at = key_at[j] + int64_t(hh) * a_.kv_head_stride;
           if constexpr (std::is_same_v<T, float>) {
-            krow[j] = kbase + at;
-            vrow[j] = vbase + at;
+            krow[j] = kcache + at;
+            vrow[j] = vcache + at;
           } else {
             for (int v = 0; v < NV; ++v) {
-              Vec::load(kbase + at + v * W).store(kc + j * HD + v * W);
-              Vec::load(vbase + at + v * W).store(vc + j * HD + v * W);
+              Vec::load(kcache + at + v * W).store(kc + j * HD + v * W);
+              Vec::load(vcache + at + v * W).store(vc + j * HD + v * W);
             }
             krow[j] = kc + j * HD;
             vrow[j] = vc + j * HD;
           }
         }
-        if (++off == a_.block_size) { off = 0; ++blk; }
-      }
-      if (!decode)
-        for (int j = 0; j < W; ++j)
-          for (int d = 0; d < HD; ++d) kt[d * W + j] = krow[j][d];
+        if (!decode)
+          for (int j = 0; j < W; ++j)
+            for (int d = 0; d < HD; ++d) kt[d * W + j] = krow[j][d];
 
-      // Rows in blocks of RB (a row that sees nothing of the chunk is skipped: it would add
-      // nothing), each: scores, its mask, the online-softmax update, then the values.
-      int active[RB], na = 0;
-      auto flush = [&]() {
-        float* o[RB];
-        const float* pp[RB];
-        float alpha[RB];
-        Vec s[RB];
-        int j0 = W, j1 = 0;
-        const float* qrows[RB];
-        for (int b = 0; b < na; ++b) qrows[b] = qf + size_t(active[b]) * HD;
-        if (decode) {
-          for (int b = 0; b < na; ++b) s[b] = scores_by_dot<NV>(qrows[b], krow);
-        } else {
-          with_rows(na, [&](auto rb) { scores_by_broadcast<NV, decltype(rb)::value>(qrows, kt, s); });
-        }
-        for (int b = 0; b < na; ++b) {
-          const int i = active[b];
+        // This head's rows in blocks of RB (a row that sees nothing of the chunk is skipped:
+        // it would add nothing), each: scores, its mask, the online-softmax update, then the values.
+        int active[RB], na = 0;
+        auto flush = [&]() {
+          float* o[RB];
+          const float* pp[RB];
+          float alpha[RB];
+          Vec s[RB];
+          int j0 = W, j1 = 0;
+          const float* qrows[RB];
+          for (int b = 0; b < na; ++b) qrows[b] = qf + size_t(active[b]) * HD;
+          if (decode) {
+            for (int b = 0; b < na; ++b) s[b] = scores_by_dot<NV>(qrows[b], krow);
+          } else {
+            with_rows(na, [&](auto rb) { scores_by_broadcast<NV, decltype(rb)::value>(qrows, kt, s); });
+          }
+          for (int b = 0; b < na; ++b) {
+            const int i = active[b];
+            const int klo = std::max(row_lo[i], pk0), khi = std::min(row_hi[i], pk1);
+            Vec x = s[b] * scale;
+            if (capped) x = vtanh(x * inv_cap) * cap;
+            x = where_less(lane, Vec::set1(float(klo - c0)), minus_inf, x);  // lanes outside [klo, khi): -inf
+            x = where_less(lane, Vec::set1(float(khi - c0)), x, minus_inf);
+            const float m_new = std::max(part_m[i], reduce_max(x));
+            // exp(0) is exactly 1: an unchanged max rescales nothing, so skip the exp.
+            alpha[b] = m_new == part_m[i] ? 1.0f : exp_scalar(part_m[i] - m_new);
+            const Vec e = vexp(x - Vec::set1(m_new));
+            part_l[i] = part_l[i] * alpha[b] + reduce_add(e);
+            part_m[i] = m_new;
+            e.store(probs + size_t(i) * W);
+            pp[b] = probs + size_t(i) * W;
+            o[b] = part_o + size_t(i) * HD;
+            j0 = std::min(j0, std::max(klo - c0, 0));
+            j1 = std::max(j1, std::min(khi - c0, W));
+          }
+          with_rows(na, [&](auto rb) { accumulate_values<NV, decltype(rb)::value>(o, pp, alpha, vrow, j0, j1); });
+          na = 0;
+        };
+        for (int i = hh * g; i < rows; i += (i % g == g - 1) ? per_token - g + 1 : 1) {
           const int klo = std::max(row_lo[i], pk0), khi = std::min(row_hi[i], pk1);
-          Vec x = s[b] * scale;
-          if (capped) x = vtanh(x * inv_cap) * cap;
-          x = where_less(lane, Vec::set1(float(klo - c0)), minus_inf, x);  // lanes outside [klo, khi): -inf
-          x = where_less(lane, Vec::set1(float(khi - c0)), x, minus_inf);
-          const float m_new = std::max(part_m[i], reduce_max(x));
-          alpha[b] = exp_scalar(part_m[i] - m_new);
-          const Vec e = vexp(x - Vec::set1(m_new));
-          part_l[i] = part_l[i] * alpha[b] + reduce_add(e);
-          part_m[i] = m_new;
-          e.store(probs + size_t(i) * W);
-          pp[b] = probs + size_t(i) * W;
-          o[b] = part_o + size_t(i) * HD;
-          j0 = std::min(j0, std::max(klo - c0, 0));
-          j1 = std::max(j1, std::min(khi - c0, W));
+          if (klo >= khi || khi <= c0 || klo >= c0 + W) continue;  // nothing this row sees in the chunk
+          active[na++] = i;
+          if (na == RB) flush();
         }
-        with_rows(na, [&](auto rb) { accumulate_values<NV, decltype(rb)::value>(o, pp, alpha, vrow, j0, j1); });
-        na = 0;
-      };
-      for (int i = 0; i < rows; ++i) {
-        const int klo = std::max(row_lo[i], pk0), khi = std::min(row_hi[i], pk1);
-        if (klo >= khi || khi <= c0 || klo >= c0 + W) continue;  // nothing this row sees in the chunk
-        active[na++] = i;
-        if (na == RB) flush();
+        if (na > 0) flush();
       }
-      if (na > 0) flush();
+      if (c0 + W < pk1) std::copy(next_at, next_at + W, key_at);
     }
     if (it.partial >= 0) {  // a split decode: hand the partition's state to finish_split
       float* dst = partials_.data() + it.partial;
@@ -366,21 +398,21 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
     }
   }
   for (int i = 0; i < rows; ++i)
-    write_row(r, it.tok_begin + i / g, it.kv_head * g + i % g, RowState{run_m[i], run_l[i], run_o + size_t(i) * HD});
+    write_row(r, token_of(i), head_of(i), RowState{run_m[i], run_l[i], run_o + size_t(i) * HD});
 }
 
-// Items [first, first + n) are one split decode (same request and kv head, partitions in order).
+// Items [first, first + n) are one split decode (same request, partitions in order).
 template <typename T, int NV>
 void PagedAttention<T, NV>::finish_split(int first, int n) const {
-  const int hd = a_.head_dim;
-  std::vector<float> o(size_t(group_) * hd, 0.0f);
-  for (int gi = 0; gi < group_; ++gi) {
-    RowState s{neg_inf(), 0.0f, o.data() + size_t(gi) * hd};
+  const int hd = a_.head_dim, rows = a_.num_heads;
+  std::vector<float> o(size_t(rows) * hd, 0.0f);
+  for (int i = 0; i < rows; ++i) {  // row i is query head i (all kv heads, in order)
+    RowState s{neg_inf(), 0.0f, o.data() + size_t(i) * hd};
     for (int k = 0; k < n; ++k) {
-      const float* src = partials_.data() + items_[first + k].partial + int64_t(gi) * (2 + hd);
+      const float* src = partials_.data() + items_[first + k].partial + int64_t(i) * (2 + hd);
       merge_state(s, src[0], src[1], src + 2, NV);
     }
-    write_row(items_[first].req, 0, items_[first].kv_head * group_ + gi, s);
+    write_row(items_[first].req, 0, i, s);
   }
 }
 
