@@ -203,7 +203,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        # logits: [num_rows, vocab]; never modified in place (the caller may reuse it).
+        # logits: [num_rows, vocab] in the model's dtype; never modified in place (the caller may reuse it).
+        if (meta.all_greedy and meta.grammar is None and meta.banned_index is None and meta.penalties is None
+                and meta.max_num_logprobs is None):
+            # Widening to float32 is exact and monotone, so the argmax (first of ties) is the same
+            # in the model's dtype: no [rows, vocab] float copy for a plain greedy batch.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
         raw = logits.float()
         logits = raw
         if meta.grammar is not None:

@@ -66,7 +66,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
 
 Model = GemmaForCausalLM

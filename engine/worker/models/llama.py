@@ -80,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_norm(h, residual)[0]  # [num_tokens, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [num_rows, vocab]
+        return self.lm_head(hidden)  # [num_rows, vocab], in the model's dtype (the sampler widens what it must)
 
     @staticmethod
     def checkpoint_name(name: str) -> str | None:
