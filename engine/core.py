@@ -20,10 +20,10 @@ from engine.config import EngineConfig
 from engine.core_lending import core_lending
 from engine.kv_events import KVEventPublisher
 from engine.errors import InvalidRequestError, PrefillElsewhere
-from engine.ipc import (Ack, AbortRequests, AddRequest, ChoiceDelta, EngineDead, EngineInfo, EngineStats,
-                        Outputs, RequestDelta, Shutdown, TierStats, ToCore, remove_ipc_dir)
-from engine.llm_engine import LLMEngine, OutputKind
-from engine.outputs import RequestOutput
+from engine.engine_core import EngineCore
+from engine.ipc import (Ack, AbortRequests, AddRequest, EngineDead, EngineInfo, EngineStats, Outputs, Shutdown,
+                        StopSequences, TierStats, ToCore, WithdrawOffers, remove_ipc_dir)
+from engine.outputs import EngineCoreOutput
 
 logger = logging.getLogger("engine.core")
 
@@ -34,8 +34,11 @@ WAIT_POLL_MS = 2
 TRIM_INTERVAL_S = 5.0
 
 
-class EngineCore:
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None) -> None:
+class EngineCoreProc:
+    """The engine core as a process: requests in over one socket, token ids and stats out over
+    the other (text is made in the API server's process: engine/output_processor.py)."""
+
+    def __init__(self, engine: EngineCore, max_queue_len: int | None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
         self.lending = core_lending(engine.config)
@@ -53,9 +56,8 @@ class EngineCore:
             return Ack(msg.request_id, 503, f"the server is busy: {scheduler.num_waiting} requests are waiting "
                                             f"(--max-queue-len {self.max_queue_len}); try again later")
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, OutputKind.DELTA,
-                                    kv_transfer_params=msg.kv_transfer_params,
-                                    first_tokens_shown=msg.first_tokens_shown)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                    kv_transfer_params=msg.kv_transfer_params)
         except InvalidRequestError as exc:
             return Ack(msg.request_id, 400, str(exc), exc.param)
         except PrefillElsewhere as exc:
@@ -65,23 +67,12 @@ class EngineCore:
         self.prompt_tokens += len(msg.prompt_token_ids) * msg.params.n
         return Ack(msg.request_id)
 
-    def step(self) -> list[RequestDelta]:
-        deltas = [self._to_delta(out) for out in self.engine.step()]
+    def step(self) -> list[EngineCoreOutput]:
+        outputs = self.engine.step()
         if self.kv_events is not None:
             self.kv_events.publish(self.engine.drain_kv_events())
-        self.generation_tokens += sum(len(c.token_ids) for d in deltas for c in d.choices)
-        return deltas
-
-    def _to_delta(self, out: RequestOutput) -> RequestDelta:
-        choices = []
-        for c in out.outputs:
-            logprobs = None
-            if c.logprobs is not None:
-                logprobs = [[(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in entry.items()]
-                            for entry in c.logprobs]
-            choices.append(ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs))
-        return RequestDelta(out.request_id, choices, out.finished, out.num_cached_tokens, out.kv_transfer_params,
-                            out.error, out.queue_time)
+        self.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs
 
     def queue_state(self) -> tuple[int, int, int, int]:
         scheduler = self.engine.scheduler
@@ -124,8 +115,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
     decoder = msgspec.msgpack.Decoder(ToCore)
     try:
         try:
-            engine = LLMEngine(config)
-            core = EngineCore(engine, max_queue_len)
+            engine = EngineCore(config)
+            core = EngineCoreProc(engine, max_queue_len)
         except Exception as exc:  # a bad model or flag, a port in use: tell the server why, then exit
             logger.exception("engine failed to start")
             push.send(encoder.encode(EngineDead(f"engine failed to start: {exc}")))
@@ -153,7 +144,7 @@ def _malloc_trim() -> None:
         pass
 
 
-def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> None:
+def _loop(core: EngineCoreProc, pull, push, encoder, decoder, parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     last_stats, last_state, last_trim = 0.0, None, 0.0
@@ -172,6 +163,10 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
                 push.send(encoder.encode(core.handle_add(msg)))
             elif isinstance(msg, AbortRequests):
                 core.engine.abort_request(msg.request_ids)
+            elif isinstance(msg, StopSequences):
+                core.engine.stop_sequences(msg.sequence_ids)
+            elif isinstance(msg, WithdrawOffers):
+                core.engine.withdraw_offers(msg.sequence_ids)
             elif isinstance(msg, Shutdown):
                 logger.info("engine core shutting down")
                 return
@@ -190,13 +185,13 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
             # protects the running streams only while this instance computes on its own cores.
             borrowing = core.lending is not None and core.lending.borrowing
             scheduler.long_prefill_token_threshold = 0 if borrowing else core.engine.config.long_prefill_token_threshold
-        deltas = []
+        outputs = []
         # Idle, a step still runs once per stats interval: the connector's counters (a KV
         # server's refusals, bytes a peer pulled) come back only with a step's output.
         stats_due = time.monotonic() - last_stats > STATS_INTERVAL_S
         if core.engine.has_unfinished_requests() or stats_due:
             try:
-                deltas = core.step()
+                outputs = core.step()
             except Exception as exc:
                 logger.exception("engine step failed")
                 push.send(encoder.encode(EngineDead(f"engine step failed: {type(exc).__name__}: {exc}\n"
@@ -206,8 +201,8 @@ def _loop(core: EngineCore, pull, push, encoder, decoder, parent_pid: int) -> No
         # Stats go out with every output, when the queues change, and once a second otherwise:
         # never once per spin while only waiting on a transfer (that flood costs a core).
         state = core.queue_state()
-        if deltas or state != last_state or now - last_stats > STATS_INTERVAL_S:
-            push.send(encoder.encode(Outputs(deltas, core.stats())))
+        if outputs or state != last_state or now - last_stats > STATS_INTERVAL_S:
+            push.send(encoder.encode(Outputs(outputs, core.stats())))
             last_stats, last_state = now, state
         if not busy and now - last_trim > TRIM_INTERVAL_S:
             # Idle: hand freed heap pages back to the OS, so varied batch shapes do not leave

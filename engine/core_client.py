@@ -1,8 +1,10 @@
 """The API server's handle on the engine-core process: start it, send requests, stream back.
 
-One background task reads everything the core sends and routes it: acks to the waiting
-add, deltas to each request's queue, stats to `stats`. If the core dies, every request in
-flight gets an error and `dead` is set.
+One background task reads everything the core sends and routes it: acks to the waiting add,
+stats to `stats`, and the token ids of each step through the front end's output processor
+(engine/output_processor.py: text, stop strings, logprob tokens) to each request's queue, as
+deltas; stop strings found there are sent back to the core at once. If the core dies, every
+request in flight gets an error and `dead` is set.
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.ipc import (IPC_DIR_PREFIX, AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats,
-                        FromCore, Outputs, RequestDelta, Shutdown, remove_ipc_dir, remove_stale_ipc_dirs)
+                        FromCore, Outputs, Shutdown, StopSequences, WithdrawOffers, remove_ipc_dir,
+                        remove_stale_ipc_dirs)
 from engine.kv_transfer.params import KVTransferParams
+from engine.output_processor import OutputKind, OutputProcessor
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine.client")
@@ -31,6 +36,42 @@ def _run_engine_core(*args) -> None:
     # there only: the server process needs none of it.
     from engine.core import run_engine_core
     run_engine_core(*args)
+
+
+# (token_id, logprob, rank, decoded token) with the sampled token first.
+LogprobEntry = tuple[int, float, int, str]
+
+
+class ChoiceDelta(msgspec.Struct):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[list[LogprobEntry]] | None = None
+
+
+class RequestDelta(msgspec.Struct):
+    """What a request's stream yields: the new text and tokens of each of its sequences."""
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    num_cached_tokens: int = 0
+    kv_transfer_params: KVTransferParams | None = None
+    error: str | None = None
+    queue_time: float | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> RequestDelta:
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = [[(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in entry.items()]
+                            for entry in c.logprobs]
+            choices.append(ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs))
+        return cls(out.request_id, choices, out.finished, out.num_cached_tokens, out.kv_transfer_params,
+                   out.error, out.queue_time)
 
 
 class EngineRequestError(Exception):
@@ -49,7 +90,9 @@ class EngineDeadError(EngineRequestError):
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, max_queue_len: int | None = None) -> None:
+        """set_tokenizer() must come before the first request: the front end's text needs it."""
         self.config = config
+        self.processor: OutputProcessor | None = None
         self.max_queue_len = max_queue_len
         self.info: EngineInfo | None = None
         self.stats = EngineStats()
@@ -66,6 +109,9 @@ class AsyncEngineClient:
         self._ctx: zmq.asyncio.Context | None = None
         self._push = self._pull = None
         self._ipc_dir: str | None = None
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.processor = OutputProcessor(tokenizer, self.config.kv_secret)
 
     async def start(self, timeout: float = 600.0) -> EngineInfo:
         try:
@@ -123,10 +169,7 @@ class AsyncEngineClient:
                     self.stats = msg.stats
                     if self.on_stats is not None:
                         self.on_stats(msg.stats)
-                    for delta in msg.deltas:
-                        queue = self._queues.get(delta.request_id)
-                        if queue is not None:
-                            queue.put_nowait(delta)
+                    self._route(msg)
                 elif isinstance(msg, Ack):
                     future = self._acks.pop(msg.request_id, None)
                     if future is not None and not future.done():
@@ -136,6 +179,21 @@ class AsyncEngineClient:
                     return
         except asyncio.CancelledError:
             pass
+
+    def _route(self, msg: Outputs) -> None:
+        if not msg.outputs:
+            return  # stats only (an idle core's)
+        processed = self.processor.process(msg.outputs)
+        if processed.stop:
+            self._push.send(self._encoder.encode(StopSequences(processed.stop)))
+        if processed.abort:
+            self._push.send(self._encoder.encode(AbortRequests(processed.abort)))
+        if processed.withdraw:
+            self._push.send(self._encoder.encode(WithdrawOffers(processed.withdraw)))
+        for out in processed.outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(RequestDelta.of(out))
 
     def _set_dead(self, error: str) -> None:
         logger.error("engine core is dead: %s", error)
@@ -161,13 +219,15 @@ class AsyncEngineClient:
             raise EngineRequestError(400, f"request id {request_id!r} is already in use", "request_id")
         try:
             message = self._encoder.encode(AddRequest(request_id, prompt_token_ids, params, time.time(),
-                                                      kv_transfer_params, first_tokens_shown))
+                                                      kv_transfer_params))
         except (OverflowError, TypeError, ValueError) as exc:  # validated upstream; a last line of defence
             raise EngineRequestError(400, f"the request cannot be passed to the engine: {exc}") from None
         stream = RequestStream(self, request_id)
         ack: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queues[request_id] = stream.queue
         self._acks[request_id] = ack
+        # Registered before the core can answer: its first outputs may come with the ack.
+        self.processor.add_request(request_id, None, prompt_token_ids, params, OutputKind.DELTA, first_tokens_shown)
         try:
             await self._push.send(message)
             answer: Ack = await ack
@@ -183,6 +243,7 @@ class AsyncEngineClient:
     def _release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._acks.pop(request_id, None)
+        self.processor.abort(request_id)
 
     def abort(self, request_ids: list[str]) -> None:
         # Not awaited: this runs in `finally` blocks of cancelled tasks; zmq queues the frame.

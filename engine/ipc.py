@@ -17,6 +17,7 @@ import time
 import msgspec
 
 from engine.kv_transfer.params import KVTransferParams
+from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 
 # The server binds its two sockets inside a private directory named with this prefix.
@@ -68,10 +69,6 @@ def remove_stale_socket(path: str) -> None:
             os.unlink(path)
 
 
-# (token_id, logprob, rank, decoded token) with the sampled token first.
-LogprobEntry = tuple[int, float, int, str]
-
-
 # ---- server -> core -------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add"):
     request_id: str
@@ -79,18 +76,28 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     arrival_time: float
     kv_transfer_params: KVTransferParams | None = None
-    first_tokens_shown: bool = False  # see LLMEngine.add_request
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
+    request_ids: list[str]  # requests, or single sequences of one
+
+
+class StopSequences(msgspec.Struct, tag="stop"):
+    """The front end found stop strings: these sequences end (engine/output_processor.py)."""
+    sequence_ids: list[str]
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToCore = AddRequest | AbortRequests | Shutdown
+class WithdrawOffers(msgspec.Struct, tag="withdraw"):
+    """A prefill instance's answer turned out final in the front end: the KV offers of these
+    sequences are withdrawn (engine/kv_transfer/first_token.py)."""
+    sequence_ids: list[str]
+
+
+ToCore = AddRequest | AbortRequests | StopSequences | WithdrawOffers | Shutdown
 
 
 # ---- core -> server -------------------------------------------------------------------
@@ -109,25 +116,6 @@ class Ack(msgspec.Struct, tag="ack"):
     status: int = 200
     message: str | None = None
     param: str | None = None
-
-
-class ChoiceDelta(msgspec.Struct):
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[list[LogprobEntry]] | None = None
-
-
-class RequestDelta(msgspec.Struct):
-    request_id: str
-    choices: list[ChoiceDelta]
-    finished: bool
-    num_cached_tokens: int = 0
-    kv_transfer_params: KVTransferParams | None = None
-    error: str | None = None
-    queue_time: float | None = None
 
 
 class TierStats(msgspec.Struct):
@@ -165,7 +153,7 @@ class EngineStats(msgspec.Struct):
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
-    deltas: list[RequestDelta]
+    outputs: list[EngineCoreOutput]  # token ids per sequence: the front end makes the text
     stats: EngineStats
 
 

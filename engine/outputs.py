@@ -1,10 +1,11 @@
-"""The only types that cross between scheduler, worker and user. No Request objects and no
-device tensors cross the scheduler/worker boundary: one dataclass each way."""
+"""The only types that cross between scheduler, worker, engine core, front end and user. No
+Request objects and no device tensors cross the scheduler/worker boundary: one dataclass each way."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from engine.kv_transfer.params import KVTransferParams
@@ -84,10 +85,10 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one scheduler step produced for one request."""
-    req_id: str
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """What one step produced for one sequence: the engine core's whole answer (text is the
+    front end's), sent as is from the engine-core process to the API server's."""
+    req_id: str  # the sequence (engine/request_ids.py)
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
@@ -96,6 +97,7 @@ class EngineCoreOutput:
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None
+    from_prefill: bool = False  # a first token a prefill instance sampled (engine/kv_transfer/first_token.py)
 
 
 @dataclass

@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.block_pool import root_block_hash
-from engine.core_client import AsyncEngineClient, EngineRequestError, RequestStream
-from engine.ipc import ChoiceDelta, LogprobEntry
+from engine.core_client import AsyncEngineClient, ChoiceDelta, EngineRequestError, LogprobEntry, RequestStream
+from engine.request_ids import prompt_request_id
 from engine.kv_transfer.params import (
     KVTransferParams,
     KVTransferParamsError,
@@ -93,6 +93,7 @@ class OpenAIServer:
                  api_key: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        client.set_tokenizer(tokenizer)  # the front end's text (engine/output_processor.py)
         self.model_names = served_model_names
         self.api_key = api_key
         self.trust_request_chat_template = trust_request_chat_template
@@ -252,7 +253,7 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             for i, prompt_ids in enumerate(prompts):
-                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                sub_id = prompt_request_id(request_id, i, len(prompts))
                 # A streaming proxy that has shown the first tokens the prefill instance sampled
                 # says so: the stream goes on after them. (Anyone else gets them in the stream.)
                 shown = bool(request.stream) and raw.headers.get(FIRST_TOKENS_SHOWN) == "1"

@@ -20,9 +20,8 @@ MAX_BODY_BYTES = 32 * 2**20
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 
-# Header from `engine proxy` to a decode instance: the streaming client was already shown the
-# first tokens the prefill instance sampled, so the decode's stream goes on after them.
-FIRST_TOKENS_SHOWN = "X-Engine-First-Tokens-Shown"
+# Header from `engine proxy` to a decode instance (engine/kv_transfer/first_token.py).
+from engine.kv_transfer.first_token import FIRST_TOKENS_SHOWN  # noqa: E402,F401
 
 
 def sse(data: dict | str) -> str:

@@ -126,7 +126,12 @@ CLOCK_SKEW_S = 60
 
 def sign_kv_transfer_params(params: KVTransferParams, secret: KVSecret | None, ttl_s: float) -> KVTransferParams:
     """``params`` with an expiry and, with a secret, its signature."""
-    unsigned = msgspec.structs.replace(params, expires_at=int(time.time() + ttl_s + CLOCK_SKEW_S), signature=None)
+    return sign_until(params, secret, int(time.time() + ttl_s + CLOCK_SKEW_S))
+
+
+def sign_until(params: KVTransferParams, secret: KVSecret | None, expires_at: int) -> KVTransferParams:
+    """``params`` expiring at ``expires_at`` and, with a secret, signed."""
+    unsigned = msgspec.structs.replace(params, expires_at=expires_at, signature=None)
     if secret is None:
         return unsigned
     return msgspec.structs.replace(unsigned, signature=secret.mac("params", msgspec.json.encode(unsigned)).hex())

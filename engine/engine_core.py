@@ -1,0 +1,395 @@
+"""EngineCore: token ids in, token ids out. Scheduler + model runner + KV connector wiring; a
+step is three calls, schedule() -> execute_model() -> update_from_output().
+
+Text is the front end's job (engine/output_processor.py: detokenization, stop strings, logprob
+tokens, outputs), in the API server's process or beside the offline ``LLM``, as in vLLM. The
+core validates what it is given, fans a request of ``n`` sequences out into ``n`` scheduler
+requests (engine/request_ids.py), starts a decode instance's sequences from the first tokens a
+prefill instance sampled, and signs a prefill instance's hand-off (engine/kv_transfer/first_token.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from engine.block_pool import BlockHasher, root_block_hash
+from engine.config import EngineConfig
+from engine.cpu_placement import apply_placement
+from engine.errors import InvalidRequestError, PrefillElsewhere
+from engine.grammar import GrammarCompiler
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_transfer.base import NoOpConnectorWorker
+from engine.kv_transfer.first_token import first_tokens_for, hand_off_params
+from engine.kv_transfer.multi import MultiConnectorScheduler, MultiConnectorWorker
+from engine.kv_transfer.p2p import P2PConnectorScheduler
+from engine.kv_transfer.p2p_worker import STAGING_BYTES, P2PConnectorWorker
+from engine.kv_transfer.params import (
+    KVTransferParams,
+    KVTransferParamsError,
+    check_kv_transfer_params_signature,
+    parse_kv_transfer_params,
+)
+from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
+from engine.kv_transfer.tiered import TieredConnectorScheduler
+from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
+from engine.outputs import EngineCoreOutput, KVConnectorStats
+from engine.request import Request, RequestStatus
+from engine.request_ids import sequence_id
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.worker import loader
+from engine.worker.backends import KV_LAYOUT
+from engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from engine.worker.models import ModelConfig, model_config_from_hf
+
+logger = logging.getLogger("engine")
+
+MAX_REQUEST_ID_LEN = 256
+MAX_KEPT_DURATIONS = 4096  # transfer and load durations kept for a reader that never drains (offline use)
+HANDED_OFF = RequestStatus.FINISHED_HANDED_OFF.finish_reason
+
+
+@dataclass(slots=True)
+class _HandOff:
+    """A prefill instance's request: the first token of each sequence, until all have one."""
+    prompt_token_ids: list[int]
+    first: dict[int, tuple[int, list | None]] = field(default_factory=dict)  # index -> (token, entries)
+    continuing: bool = False  # some sequence did not end with its first token
+    offer: KVTransferParams | None = None
+
+
+@dataclass(slots=True)
+class _EngineRequest:
+    """What the core keeps per engine request: its sequences, and its hand-off if it has one."""
+    sequence_ids: list[str]
+    open: set[str]  # sequences not finished yet
+    hand_off: _HandOff | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        apply_placement(config.cpu_cores, config.num_threads)
+        model_dir = loader.resolve_model(config.model, config.revision, config.download_dir)
+        self.model_dir = model_dir
+        # For EOS ids and structured output's vocabulary only: text is the front end's.
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+        hf_config = loader.load_hf_config(model_dir)
+        self.eos_token_ids = self._eos_token_ids(hf_config, loader.load_generation_config(model_dir))
+        model_config = model_config_from_hf(hf_config)
+        model_max = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's context of "
+                             f"{model_max} tokens (max_position_embeddings; for a LongRoPE model, the original "
+                             "context it is served up to)")
+        self.max_model_len = config.max_model_len or model_max
+        self.vocab_size = model_config.vocab_size
+
+        transfer = config.kv_transfer_config
+        uses_p2p = transfer is not None and transfer.kv_connector == "p2p"
+        if transfer is not None and transfer.kv_connector not in (None, "p2p"):
+            raise ValueError(f"unknown kv_connector {transfer.kv_connector!r}; available: p2p")
+        dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+        # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
+        # (Every attention backend shares it, so a CPU prefill and a flash-attn decode of the same
+        # dtype are compatible.)
+        self.fingerprint = f"{loader.model_fingerprint(model_dir)}:{dtype}:bs{config.block_size}:{KV_LAYOUT}"
+        self.engine_id = uuid.uuid4().hex[:12]
+        connector, connector_worker = None, NoOpConnectorWorker()
+        if uses_p2p:
+            port = transfer.kv_port if transfer.kv_role in ("kv_producer", "kv_both") else None
+            if transfer.kv_role == "kv_producer" and port is None:
+                raise ValueError("a KV producer (--role prefill) needs --kv-port")
+            connector = P2PConnectorScheduler(transfer, self.engine_id, port and f"tcp://{transfer.kv_ip}:{port}",
+                                              config.block_size)
+            connector_worker = P2PConnectorWorker(self.engine_id, self.fingerprint, transfer.kv_ip, port,
+                                                  secret=config.kv_secret,
+                                                  encrypt=bool(transfer.extra.get("encrypt", False)))
+        if config.kv_store:
+            tiered, tiered_worker = self._tiered_connector(config, model_config, dtype)
+            if connector is None:
+                connector, connector_worker = tiered, tiered_worker
+            else:  # P2P first; the tiers behind it (a decode falls back to them when a pull fails)
+                connector = MultiConnectorScheduler([connector, tiered])
+                connector_worker = MultiConnectorWorker([connector_worker, tiered_worker])
+        self.runner = ModelRunner(config, model_dir, model_config, self.eos_token_ids, self.max_model_len,
+                                  connector_worker, reserved_bytes=STAGING_BYTES if uses_p2p else 0)
+        # The connector's latest counters, as the runner reported them with the last step (an
+        # offline reader sees them as of its last generate; a server's idle core steps each second).
+        self.kv_connector_stats = KVConnectorStats()
+        if config.kv_store:  # every tier in the stats from the start, not only after the first step
+            self.kv_connector_stats = tiered_worker.stats(read_used_bytes=False)
+        self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector,
+                                   vocab_size=self.vocab_size)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if pool_tokens < self.max_model_len:
+            logger.warning("the KV pool holds %d tokens, less than max_model_len=%d: longer requests are "
+                           "rejected", pool_tokens, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks, config.block_size,
+                    self.runner.num_blocks * self.runner.bytes_per_block / 2**30)
+        self.last_num_scheduled_tokens = 0
+        self._requests: dict[str, _EngineRequest] = {}
+        self._request_of: dict[str, str] = {}  # sequence id -> engine request id
+        # First tokens that ended their sequence as they arrived: they go out with the next step.
+        self._pending: list[EngineCoreOutput] = []
+
+    def _tiered_connector(self, config: EngineConfig, cfg: ModelConfig,
+                          dtype) -> tuple[TieredConnectorScheduler, TieredConnectorWorker]:
+        blocks_per_chunk = config.kv_chunk_tokens // config.block_size
+        fmt = ChunkFormat(self.fingerprint, dtype,
+                          (cfg.num_layers, 2, blocks_per_chunk, config.block_size, cfg.num_kv_heads, cfg.head_dim))
+        tiers = TieredStore(parse_store_spec(config.kv_store, fmt, config.kv_store_ttl_s, config.kv_secret))
+        logger.info("KV store tiers: %s (%d-token chunks of %.1f MiB)", ", ".join(s.name for s in tiers.stores),
+                    config.kv_chunk_tokens, fmt.nbytes / 2**20)
+        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens), TieredConnectorWorker(tiers)
+
+    def _eos_token_ids(self, hf_config: dict, gen_config: dict) -> frozenset[int]:
+        ids: set[int] = set()
+        for value in (gen_config.get("eos_token_id"), hf_config.get("eos_token_id"), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(value)
+        return frozenset(ids)
+
+    # ---- requests ----------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, hands_off: bool = False) -> int:
+        """Checks a prompt against the model and the pool; returns the resolved max_tokens. A
+        request that hands off after its first token needs blocks for the prompt only."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        self._check_vocabulary("prompt", prompt_token_ids)
+        self._check_vocabulary("stop_token_ids", params.stop_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"contains {num_prompt} input tokens, leaving no room for output.", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{max_tokens} output tokens and your prompt contains {num_prompt} input tokens, for a total of "
+                f"{num_prompt + max_tokens} tokens.", "max_tokens")
+        kv = self.kv_cache_manager
+        needed = kv.blocks_needed(num_prompt + (0 if hands_off else max_tokens - 1))
+        if needed > kv.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} max tokens) but the whole "
+                f"KV pool has {kv.num_blocks} blocks of {kv.block_size} tokens", "max_tokens")
+        return max_tokens
+
+    def _check_vocabulary(self, name: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} in {name} is out of vocabulary (size {self.vocab_size})",
+                                      name)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None,
+                    kv_transfer_params: KVTransferParams | dict | None = None) -> None:
+        """Queue a request of ``params.n`` sequences. Raises InvalidRequestError (a ValueError)
+        for a bad one, or PrefillElsewhere; then nothing was queued. With
+        ``kv_transfer_params.first_token_ids`` (from a prefill instance) each sequence continues
+        from its first token, which goes out with the next step marked ``from_prefill``."""
+        try:
+            kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
+            check_kv_transfer_params_signature(kv_transfer_params, self.config.kv_secret)
+        except KVTransferParamsError as exc:
+            raise InvalidRequestError(str(exc), exc.param) from None
+        if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+            raise InvalidRequestError(f"request id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} "
+                                      "characters", "request_id")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        seq_ids = [sequence_id(request_id, i, params.n) for i in range(params.n)]
+        if any(self.scheduler.is_id_in_use(s) or s in self._request_of for s in seq_ids):
+            # A finished request whose blocks a KV transfer still reads: reusing its id now
+            # would hand the new request the old blocks.
+            raise InvalidRequestError(f"request id {request_id!r} is still in use (its KV transfer has not "
+                                      "finished); use a new id", "request_id")
+        prompt_token_ids = list(prompt_token_ids)
+        first_tokens = first_tokens_for(kv_transfer_params, params, prompt_token_ids, self.vocab_size)
+        # A prefill instance's request ends after its first token and hands off to a decode
+        # instance (only where a connector can hand its KV on: elsewhere the flag is ignored).
+        hands_off = (kv_transfer_params is not None and kv_transfer_params.do_remote_decode and first_tokens is None
+                     and self.scheduler.connector.offers_kv)
+        max_tokens = self.validate(prompt_token_ids, params, hands_off)
+        limit = kv_transfer_params.max_local_prefill_tokens if kv_transfer_params is not None else None
+        if limit is not None and not kv_transfer_params.acts_on_remote_kv:
+            probe = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, self.block_hasher)
+            uncached = self.scheduler.num_uncached_prompt_tokens(probe)
+            if uncached > limit:
+                raise PrefillElsewhere(uncached, limit)
+        grammars = [self.grammar_compiler.request_grammar(params.structured_outputs)
+                    if params.structured_outputs is not None else None for _ in range(params.n)]
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        requests: list[Request] = []
+        for index, seq_id in enumerate(seq_ids):
+            # The n samples differ through their seeds; a seeded request stays reproducible.
+            # (seed + index, wrapped into the 64-bit signed range every seed must stay in)
+            seq_params = params if params.n == 1 or params.seed is None else params.replace(
+                seed=(params.seed + index + 2**63) % 2**64 - 2**63)
+            request = Request(seq_id, prompt_token_ids, seq_params, self.eos_token_ids, max_tokens,
+                              self.block_hasher, arrival_time, hands_off=hands_off, grammar=grammars[index])
+            if first_tokens is None or not self._start_from_first_token(request, *first_tokens[index]):
+                requests.append(request)
+        # The n samples share one prompt, so one KV transfer: the first running sample pulls it
+        # (or offers it), the others wait for it to land and then hit the prefix cache.
+        for request in requests:
+            leads = request is requests[0] or kv_transfer_params is None
+            request.kv_transfer_params = kv_transfer_params if leads else None
+            request.kv_leader = None if leads else requests[0].request_id
+        self._requests[request_id] = _EngineRequest(
+            seq_ids, {r.request_id for r in requests}, _HandOff(prompt_token_ids) if hands_off else None)
+        for seq_id in seq_ids:
+            self._request_of[seq_id] = request_id
+        for request in requests:
+            self.scheduler.add_request(request)
+        if not requests:
+            self._requests.pop(request_id)
+            for seq_id in seq_ids:
+                self._request_of.pop(seq_id)
+
+    def _start_from_first_token(self, request: Request, token: int, entries: list | None) -> bool:
+        """Continue a sequence whose first token a prefill instance sampled, exactly as if it had
+        been sampled here; the token goes out with the next step. Returns whether it ended the
+        sequence (EOS, a stop token, the length)."""
+        request.append_output_token_id(token)
+        status = request.check_stop(self.max_model_len)
+        self._pending.append(EngineCoreOutput(
+            request.request_id, [token], [entries] if entries is not None else None,
+            finish_reason=status.finish_reason if status is not None else None, stop_reason=request.stop_reason,
+            from_prefill=True))
+        return status is not None
+
+    def abort_request(self, ids: str | list[str]) -> None:
+        """Abort engine requests (the ids given to add_request) or single sequences of one; their
+        blocks are freed now, and a KV offer they hold is withdrawn."""
+        for some_id in [ids] if isinstance(ids, str) else ids:
+            request = self._requests.get(some_id)
+            seq_ids = request.sequence_ids if request is not None else [some_id]
+            for seq_id in seq_ids:
+                self._end_sequence(seq_id)
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_sequences(self, seq_ids: list[str]) -> None:
+        """The front end found a stop string: these sequences end (stopped, not aborted: a tier
+        may keep their KV)."""
+        for seq_id in seq_ids:
+            self._end_sequence(seq_id)
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_STOPPED)
+
+    def withdraw_offers(self, seq_ids: list[str]) -> None:
+        """The front end found a prefill instance's answer final (stop strings in every first
+        token): the KV it offered is freed as soon as the worker lets go."""
+        for seq_id in seq_ids:
+            self.scheduler.withdraw_kv(seq_id)
+
+    def _end_sequence(self, seq_id: str) -> None:
+        request_id = self._request_of.pop(seq_id, None)
+        request = self._requests.get(request_id) if request_id is not None else None
+        if request is None:
+            return
+        request.open.discard(seq_id)
+        if not request.open:
+            del self._requests[request_id]
+            for other in request.sequence_ids:
+                self._request_of.pop(other, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step ----------------------------------------------------------------------
+    def num_tracked_requests(self) -> int:
+        """Per-request state held anywhere in the core: 0 when idle, or something leaks."""
+        scheduler = self.scheduler
+        return (len(self._requests) + len(self._request_of) + len(scheduler.requests) + len(scheduler.held)
+                + len(self.kv_cache_manager.req_to_blocks) + scheduler.connector.num_tracked_requests())
+
+    def shutdown(self) -> None:
+        self.grammar_compiler.shutdown()
+        self.runner.shutdown()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One scheduler step: what each sequence produced (token ids, raw logprob entries, its
+        end), plus the first tokens that ended sequences as they arrived."""
+        outputs, self._pending = self._pending, []
+        scheduler_output = self.scheduler.schedule()
+        self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        runner_output = self.runner.execute_model(scheduler_output)
+        self._keep_connector_stats(runner_output.kv_connector_output.stats)
+        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        for out in outputs:
+            request_id = self._request_of.get(out.req_id)
+            request = self._requests.get(request_id) if request_id is not None else None
+            if request is not None and request.hand_off is not None:
+                self._track_hand_off(request, out)
+                # A hand-off's parameters go out once, signed, with its last sequence's end.
+                last = out.finish_reason is not None and request.open == {out.req_id}
+                out.kv_transfer_params = self._hand_off(request) if last else None
+            if out.finish_reason is not None and request is not None:
+                self._end_sequence(out.req_id)
+        return outputs
+
+    def _track_hand_off(self, request: _EngineRequest, out: EngineCoreOutput) -> None:
+        hand_off = request.hand_off
+        index = request.sequence_ids.index(out.req_id)
+        if out.new_token_ids and index not in hand_off.first:
+            hand_off.first[index] = (out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None)
+        if out.finish_reason == HANDED_OFF:
+            hand_off.continuing = True
+        if out.kv_transfer_params is not None:
+            hand_off.offer = out.kv_transfer_params
+
+    def _hand_off(self, request: _EngineRequest) -> KVTransferParams | None:
+        """A prefill instance's request has its first tokens: the signed parameters a decode
+        instance continues it from. If every sequence ended with its first token, the answer is
+        final here and the KV offered is withdrawn; the first tokens still go along (a list of
+        prompts may continue in part)."""
+        hand_off = request.hand_off
+        if len(hand_off.first) < len(request.sequence_ids):
+            return None  # some sequence ended without a token (an error, an abort)
+        offer = hand_off.offer if hand_off.continuing else None
+        if offer is None:
+            self.scheduler.withdraw_kv(request.sequence_ids[0])
+        first = [hand_off.first[i] for i in range(len(request.sequence_ids))]
+        return hand_off_params(offer, hand_off.prompt_token_ids, [t for t, _ in first], [e for _, e in first],
+                               self.config.kv_secret, self.scheduler.connector.params_ttl_s)
+
+    def _keep_connector_stats(self, new: KVConnectorStats | None) -> None:
+        """The latest totals; durations pile up (the newest MAX_KEPT_DURATIONS) until drained."""
+        if new is None:
+            return
+        old = self.kv_connector_stats
+        new.transfer_seconds = (old.transfer_seconds + new.transfer_seconds)[-MAX_KEPT_DURATIONS:]
+        for tier, s in new.stores.items():
+            s["load_seconds"] = (old.stores.get(tier, {}).get("load_seconds", []) + s["load_seconds"])[-MAX_KEPT_DURATIONS:]
+        self.kv_connector_stats = new
+
+    def drain_kv_events(self) -> list:
+        """Prefix-cache changes since the last call (engine/kv_events.py; empty when off)."""
+        pool = self.kv_cache_manager.pool
+        if not pool.kv_events:
+            return []
+        events, pool.kv_events = pool.kv_events, []
+        return events
+
+    def drain_kv_connector_stats(self) -> KVConnectorStats:
+        """The latest counters with the durations since the previous drain (the core's stats messages)."""
+        stats = self.kv_connector_stats
+        self.kv_connector_stats = KVConnectorStats(
+            stats.transfer_bytes, stats.transfer_failures, [], stats.auth_failures,
+            {tier: {**s, "load_seconds": []} for tier, s in stats.stores.items()})
+        return stats

@@ -1,0 +1,221 @@
+"""The front end's half of the engine (vLLM's OutputProcessor): turns the core's token ids into
+what a client reads. Detokenization, stop strings, logprob tokens, the ``n`` sequences of a
+request gathered into one output, streamed deltas or whole texts. It runs where the client is
+(the API server's process, or beside the offline ``LLM``), so none of it holds up a step.
+
+A stop string found here ends its sequence at once: ``process`` lists the sequences the core
+must stop, and the text never shows what was sampled past the stop. One request's failure here
+(a tokenizer raising) ends that request with an error; the others go on.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_transfer.first_token import final_params
+from engine.kv_transfer.params import KVTransferParams
+from engine.kv_transfer.secret import KVSecret
+from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from engine.request import RequestStatus
+from engine.request_ids import sequence_id
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine")
+
+HANDED_OFF = RequestStatus.FINISHED_HANDED_OFF.finish_reason
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output carries the whole text so far
+    DELTA = "delta"            # only what is new since the last output (streaming)
+    FINAL_ONLY = "final"       # one output when the request is done
+
+
+@dataclass
+class _Sequence:
+    """One of the n sequences of a request."""
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    reported_finish: bool = False  # its finish went out in a delta: later deltas leave it out
+
+    @property
+    def shown_finish_reason(self) -> str | None:
+        """What a client is told: a sequence handed to another instance has not finished for it."""
+        return None if self.finish_reason == HANDED_OFF else self.finish_reason
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: OutputKind
+    sequences: dict[str, _Sequence]
+    first_tokens_shown: bool
+    num_cached_tokens: int = 0
+    kv_transfer_params: KVTransferParams | None = None
+    error: str | None = None
+    queue_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences.values())
+
+
+@dataclass(slots=True)
+class Processed:
+    outputs: list[RequestOutput]
+    stop: list[str]      # sequences a stop string ended: the core stops them
+    abort: list[str]     # sequences whose output could not be processed: the core aborts them
+    withdraw: list[str]  # a prefill instance's sequences whose KV nobody will continue from
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, kv_secret: KVSecret | None = None) -> None:
+        # A copy of the fast tokenizer's backend: this one is entered from this thread only
+        # (the API server tokenizes prompts on another).
+        backend = getattr(tokenizer, "_tokenizer", tokenizer)
+        self.tokenizer: Tokenizer = Tokenizer.from_str(backend.to_str())
+        self.kv_secret = kv_secret
+        self._requests: dict[str, _Request] = {}
+        self._request_of: dict[str, str] = {}  # sequence id -> request id
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    kind: OutputKind, first_tokens_shown: bool = False) -> None:
+        """``first_tokens_shown``: the client was already shown the first tokens a prefill
+        instance sampled (as far as the stop strings allowed), so the deltas go on after them."""
+        sequences = {}
+        for index in range(params.n):
+            seq_id = sequence_id(request_id, index, params.n)
+            sequences[seq_id] = _Sequence(index, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                                          logprobs=[] if params.logprobs is not None else None,
+                                          cumulative_logprob=0.0 if params.logprobs is not None else None)
+            self._request_of[seq_id] = request_id
+        self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), kind, sequences,
+                                              first_tokens_shown)
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            for seq_id in request.sequences:
+                self._request_of.pop(seq_id, None)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def num_tracked_requests(self) -> int:
+        return len(self._requests) + len(self._request_of)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> Processed:
+        result = Processed([], [], [], [])
+        touched: dict[str, _Request] = {}
+        for out in core_outputs:
+            request_id = self._request_of.get(out.req_id)
+            request = self._requests.get(request_id) if request_id is not None else None
+            if request is None:
+                continue  # aborted meanwhile
+            seq = request.sequences[out.req_id]
+            if seq.finish_reason is not None:
+                continue  # a stop string ended it; the core had sampled on
+            try:
+                if self._apply(request, seq, out):
+                    result.stop.append(out.req_id)
+            except Exception as exc:  # one request's output (detokenizing, say) never stops the others
+                logger.exception("request %s: processing its output failed; ending it", out.req_id)
+                seq.finish_reason, request.error = "error", f"output processing failed: {type(exc).__name__}: {exc}"
+                result.abort.append(out.req_id)
+            touched[request.request_id] = request
+        for request in touched.values():
+            finished = request.finished
+            if finished:
+                result.withdraw += self._settle_hand_off(request)
+            if request.kind is not OutputKind.FINAL_ONLY or finished:
+                result.outputs.append(self._make_output(request, finished))
+            if finished:
+                self.abort(request.request_id)
+        return result
+
+    def _apply(self, request: _Request, seq: _Sequence, out: EngineCoreOutput) -> bool:
+        """Take one sequence's new tokens; returns whether a stop string ended it here."""
+        request.num_cached_tokens = max(request.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            request.kv_transfer_params = out.kv_transfer_params
+        if out.error is not None:
+            request.error = out.error
+        if request.queue_time is None:
+            request.queue_time = out.queue_time
+        seq.token_ids.extend(out.new_token_ids)
+        seq.new_token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and seq.logprobs is not None:
+            for entries in out.new_logprobs:
+                decoded = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
+                seq.logprobs.append(decoded)
+                seq.new_logprobs.append(decoded)
+                seq.cumulative_logprob += entries[0][1]
+        matched = seq.detok.update(out.new_token_ids)
+        if out.from_prefill and request.first_tokens_shown:
+            # The client saw this token's text (the prefill instance's answer, shown by the proxy):
+            # the deltas go on after it. It still counts in the usage.
+            seq.detok.next_delta(False)
+            seq.new_logprobs.clear()
+        if matched is not None and out.finish_reason not in ("abort", "error"):
+            # A stop string ends the sequence here (also when the same token reached max_tokens
+            # or was EOS: the stop string is why the text ends).
+            seq.finish_reason, seq.stop_reason = "stop", matched
+            return out.finish_reason is None or out.finish_reason == HANDED_OFF
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _settle_hand_off(self, request: _Request) -> list[str]:
+        """A prefill instance's request whose first tokens all ended their sequences here (stop
+        strings the core cannot see): the answer is final, the KV offer is withdrawn and the
+        parameters keep only the first tokens. Returns the sequences whose offer to withdraw."""
+        params = request.kv_transfer_params
+        offers = params is not None and (params.do_remote_prefill or params.kv_store_tokens > 0)
+        if not offers or params.first_token_ids is None:
+            return []
+        if any(s.finish_reason == HANDED_OFF for s in request.sequences.values()):
+            return []
+        request.kv_transfer_params = final_params(params, self.kv_secret)
+        return list(request.sequences)
+
+    def _make_output(self, request: _Request, finished: bool) -> RequestOutput:
+        outputs = []
+        delta = request.kind is OutputKind.DELTA
+        for seq in request.sequences.values():
+            reason = seq.shown_finish_reason
+            if delta and seq.reported_finish:
+                continue
+            delta_text = seq.detok.next_delta(reason is not None)
+            text = delta_text if delta else seq.detok.sent_text
+            if delta and not seq.new_token_ids and not text and reason is None:
+                continue
+            seq.reported_finish = reason is not None
+            outputs.append(CompletionOutput(
+                seq.index, text, list(seq.new_token_ids if delta else seq.token_ids), reason, seq.stop_reason,
+                list(seq.new_logprobs) if delta and seq.logprobs is not None else seq.logprobs,
+                seq.cumulative_logprob))
+            seq.new_token_ids.clear()
+            seq.new_logprobs.clear()
+        kv = request.kv_transfer_params if finished else None
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
+                             request.num_cached_tokens, kv, request.error, request.queue_time)
