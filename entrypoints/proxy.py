@@ -342,18 +342,21 @@ class Proxy:
                         headers={"X-Request-Id": headers["X-Request-Id"]})
 
     async def _relay(self, opened: _OpenStream, skip_role: bool = False):
-        """D's open stream, event by event; closed at the end (also when the client leaves)."""
+        """D's open stream, passed on as its bytes come (nothing in it needs rewriting, so
+        nothing is parsed); with ``skip_role``, its first event (the role chunk the client
+        already has) is cut off first. Closed at the end (also when the client leaves)."""
         upstream, resp = opened.upstream, opened.resp
+        between_events = True  # what went out so far ends with an event's blank line
         try:
-            events = _sse_events(resp.aiter_raw())
-            if skip_role:  # the client had the role chunk already
-                await anext(events, None)
-            async for event in events:
-                yield event
+            chunks = _after_first_event(resp.aiter_raw()) if skip_role else resp.aiter_raw()
+            async for data in chunks:
+                between_events = data.endswith(b"\n\n")
+                yield data
         except httpx.HTTPError as exc:  # D died or stalled mid-stream: tell the client, then end
             err = {"error": {"message": f"decode {upstream.url} failed mid-stream: {type(exc).__name__}",
                              "type": "upstream_error", "param": None, "code": 502}}
-            yield sse(err) + sse("[DONE]")
+            # A cut-off event is closed first (an empty line more is harmless between events).
+            yield ("" if between_events else "\n\n") + sse(err) + sse("[DONE]")
         finally:
             # Also runs when the client disconnects: closing aborts the request on D.
             await opened.close()
@@ -436,16 +439,18 @@ async def _replay(events: list[str]):
         yield event
 
 
-async def _sse_events(raw):
-    """Server-sent events (each ending in a blank line) out of a byte stream."""
+async def _after_first_event(raw):
+    """A byte stream of server-sent events without its first event (which ends in a blank line)."""
     buffer = b""
     async for data in raw:
+        if buffer is None:
+            yield data
+            continue
         buffer += data
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            yield event + b"\n\n"
-    if buffer:
-        yield buffer
+        if b"\n\n" in buffer:
+            rest, buffer = buffer.split(b"\n\n", 1)[1], None
+            if rest:
+                yield rest
 
 
 class _OpenStream:
