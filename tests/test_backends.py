@@ -11,6 +11,7 @@ import torch
 
 from engine import EngineConfig
 from engine.worker import native
+from tests.conftest import AUTO_DTYPE
 from engine.worker.backends import select_backend, unavailable_reason
 from engine.worker.model_runner import cuda_kv_budget
 
@@ -65,4 +66,4 @@ def test_fingerprint_records_the_layout_not_the_backend(tiny_llama):
     from engine import LLM
     fingerprint = LLM(str(tiny_llama), num_blocks=16).engine.fingerprint
     # A CPU prefill and a flash-attn decode with the same dtype may exchange KV: no backend name.
-    assert fingerprint.split(":")[1:] == ["torch.float32", "bs16", "[L,2,N,bs,H,D]"]
+    assert fingerprint.split(":")[1:] == [f"torch.{AUTO_DTYPE}", "bs16", "[L,2,N,bs,H,D]"]

@@ -24,7 +24,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def solo_outputs(tiny_llama, prompts) -> list[list[int]]:
-    llm = LLM(str(tiny_llama), num_blocks=256, enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=256, enable_prefix_caching=False)
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert_engine_idle(llm)
     return outs
@@ -37,12 +37,12 @@ def _batched(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_batch_of_mixed_lengths(tiny_llama, prompts, solo_outputs):
-    llm = LLM(str(tiny_llama), num_blocks=256, enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=256, enable_prefix_caching=False)
     assert _batched(llm, prompts) == solo_outputs
 
 
 def test_prefix_cache_hits(tiny_llama, prompts, solo_outputs):
-    llm = LLM(str(tiny_llama), num_blocks=256)
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=256)
     assert _batched(llm, prompts) == solo_outputs
     hits_before = llm.engine.kv_cache_manager.stats.hits
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -53,23 +53,23 @@ def test_prefix_cache_hits(tiny_llama, prompts, solo_outputs):
 
 
 def test_chunked_prefill(tiny_llama, prompts, solo_outputs):
-    llm = LLM(str(tiny_llama), num_blocks=256, max_num_batched_tokens=8, enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=256, max_num_batched_tokens=8, enable_prefix_caching=False)
     assert _batched(llm, prompts) == solo_outputs
 
 
 def test_long_prefill_token_threshold(tiny_llama, prompts, solo_outputs):
-    llm = LLM(str(tiny_llama), num_blocks=256, long_prefill_token_threshold=7, enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=256, long_prefill_token_threshold=7, enable_prefix_caching=False)
     assert _batched(llm, prompts) == solo_outputs
 
 
 def test_preemption_in_tiny_pool(tiny_llama, prompts, solo_outputs):
     # 48 blocks of 4 tokens (192 slots): the longest request alone needs 170, all seven
     # together far more, so the scheduler must preempt and recompute.
-    llm = LLM(str(tiny_llama), num_blocks=48, block_size=4)
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=48, block_size=4)
     assert _batched(llm, prompts) == solo_outputs
     assert llm.engine.scheduler.stats.num_preemptions > 0
 
 
 def test_max_num_seqs_one(tiny_llama, prompts, solo_outputs):
-    llm = LLM(str(tiny_llama), num_blocks=256, max_num_seqs=1)
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=256, max_num_seqs=1)
     assert _batched(llm, prompts) == solo_outputs

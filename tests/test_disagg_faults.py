@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.conftest import AUTO_DTYPE
 from tests.server_utils import ServerProcess, free_port, leave_when, wait_for
 
 ARGS = ("--num-blocks", "128", "--max-model-len", "1024")
@@ -100,7 +101,7 @@ def test_clean_transfer_is_used(prefill, decode, expected):
     # Bits flipped under a CRC32 only the injector sets: the consumer's check of the optional field.
     pytest.param("corrupt", "frame rejected: corrupt: checksum mismatch", id="optional-crc32-mismatch"),
     pytest.param("bad_dtype", "frame rejected: bad header: float16", id="bad-dtype"),
-    pytest.param("bad_shape", "frame rejected: bad header: float32", id="bad-shape"),  # the dtype is right
+    pytest.param("bad_shape", f"frame rejected: bad header: {AUTO_DTYPE}", id="bad-shape"),  # the dtype is right
     pytest.param("drop", "timeout: no KV before the deadline", id="drop"),
     pytest.param("delay=4", "timeout: no KV before the deadline", id="delay-past-deadline"),
 ])

@@ -147,7 +147,7 @@ def test_gguf_of_the_family_loads_like_the_original(arch, tmp_path, smollm2_dir)
 
     hf = HFReference(model_dir)
     prompts, expected = hf.well_conditioned(_candidates(), 16, count=3)
-    llm = LLM(str(path), num_blocks=128)
+    llm = LLM(str(path), num_blocks=128, dtype="float32")  # as the float32 reference
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_engine_idle(llm)

@@ -24,7 +24,7 @@ from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
 from engine.kv_transfer.stores.cpu import CPUStore
 from engine.kv_transfer.stores.disk import DiskStore
 from engine.kv_transfer.stores.redis import RETRY_S, RedisStore
-from tests.conftest import assert_engine_idle
+from tests.conftest import AUTO_DTYPE_BYTES, assert_engine_idle
 from tests.server_utils import wait_for
 
 FMT = ChunkFormat("model-a:float32:bs4", torch.float32, (2, 2, 4, 4, 2, 8))
@@ -185,7 +185,7 @@ def test_cpu_tier_serves_prefixes_the_device_cache_evicted(tiny_llama, reference
     assert out.outputs[0].token_ids == reference(prompt)
     assert out.num_cached_tokens == 192  # 6 full chunks; the 7th would include the last prompt token
     stats = llm.engine.kv_connector_stats.stores["cpu"]
-    chunk_bytes = 2 * 2 * 2 * 16 * 2 * 16 * 4  # [layers, k/v, 2 blocks, 16 tokens, 2 kv heads, 16 dims] fp32
+    chunk_bytes = 2 * 2 * 2 * 16 * 2 * 16 * AUTO_DTYPE_BYTES  # [layers, k/v, 2 blocks, 16 tokens, 2 kv heads, 16 dims]
     assert stats["hits"] == 6 and stats["bytes_loaded"] == 6 * chunk_bytes
     # A prompt that shares only part of the prefix loads just the shared chunks.
     branch = prompt[:100] + _prompt(2, 60)
@@ -346,7 +346,7 @@ def test_disk_entry_deleted_between_lookup_and_load(tiny_llama, reference, tmp_p
 def test_tiny_cpu_tier_evicting_under_concurrent_lookups(tiny_llama, reference):
     """A CPU tier that holds 3 chunks, with shared and distinct prefixes in one batch: entries
     are evicted while others are looked up and loaded; every output stays exact."""
-    chunk_bytes = 2 * 2 * 2 * 16 * 2 * 16 * 4  # [layers, k/v, 2 blocks, 16 tokens, 2 kv heads, 16 dims] fp32
+    chunk_bytes = 2 * 2 * 2 * 16 * 2 * 16 * AUTO_DTYPE_BYTES  # [layers, k/v, 2 blocks, 16 tokens, 2 kv heads, 16 dims]
     llm = LLM(str(tiny_llama), num_blocks=48, kv_store=f"cpu:{3 * chunk_bytes}", kv_chunk_tokens=32)
     shared = _prompt(12, 96)  # exactly the tier's 3 chunks
     llm.generate([shared], GREEDY, use_tqdm=False)  # whole chunks only: no trailing chunk

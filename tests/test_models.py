@@ -24,7 +24,8 @@ def _check_family(model_dir, attention_backend: str = "auto") -> None:
     at every generated position the top-5 log-probabilities within 1e-3 of transformers'."""
     hf = HFReference(model_dir)
     prompts, expected = hf.well_conditioned(_candidates(), MAX_TOKENS, count=4)
-    llm = LLM(str(model_dir), num_blocks=128, attention_backend=attention_backend)
+    # float32: the reference is transformers in float32 (auto is bfloat16 on CPUs that have it).
+    llm = LLM(str(model_dir), num_blocks=128, attention_backend=attention_backend, dtype="float32")
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                    logprobs=5), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -18,7 +18,7 @@ CHATS = [[{"role": "user", "content": "What is 2+2?"}],
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir) -> LLM:
-    return LLM(num_blocks=512)
+    return LLM(num_blocks=512, dtype="float32")  # as the float32 reference
 
 
 @pytest.fixture(scope="module")

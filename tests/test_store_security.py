@@ -235,7 +235,7 @@ def test_the_engine_recomputes_past_forged_entries(tiny_llama, reference, tmp_pa
     assert run() == (3, 0, 96)  # the genuine entries serve the prefix
     genuine_first, genuine_second = entries.read(first), entries.read(second)
     fp, n = store.fmt.fingerprint, store.fmt.shape[2] * store.fmt.shape[3]
-    poison = torch.randn(store.fmt.shape, generator=torch.Generator().manual_seed(7))
+    poison = torch.randn(store.fmt.shape, generator=torch.Generator().manual_seed(7)).to(store.fmt.dtype)
     forgeries = [
         (b"".join(serde.encode(poison, fp, n, first)), "bad_tag"),  # an attacker without the secret
         (b"".join(serde.encode(poison, fp, n, first, OTHER)), "bad_tag"),  # with a wrong secret

@@ -18,7 +18,7 @@ from engine.grammar import bitmask_to_bound
 from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allocate_kv_tensor
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.worker import loader
+from engine.worker import loader, native
 from engine.worker.backends import select_kernels
 from engine.worker.cpu_linear import onednn_available, pack_linears
 from engine.worker.input_batch import InputBatch, RowState
@@ -50,8 +50,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs that compute it natively (AVX512-BF16 or AMX, where
+    it is the faster path by far: half the bytes of weights and KV to read), float32 elsewhere."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or native.cpu_has_native_bf16() else torch.float32
     return _DTYPES[name]
 
 

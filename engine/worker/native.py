@@ -36,6 +36,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX) and oneDNN uses it."""
+    if not {"avx512_bf16", "amx_bf16"} & cpu_flags():
+        return False
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def supported_isas() -> list[str]:
     """The builds this CPU can run, best first."""
     return [isa for isa in ISAS if _REQUIRED_FLAGS[isa] <= cpu_flags()]

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import RedisServer
+from tests.conftest import AUTO_DTYPE, AUTO_DTYPE_BYTES, RedisServer
 from tests.disagg_utils import Disagg, ProxyProcess
 from tests.server_utils import ServerProcess, free_port, pid_alive, wait_for
 from tests.stress.workload import Job, assert_invariants, make_jobs, run_load
@@ -59,10 +59,10 @@ BLOCK_SIZE = 16  # the engine's default
 
 
 def _kv_bytes_per_block(model_dir) -> int:
-    """Bytes of one KV block of all layers, K and V, in float32 (the model's KV dtype on CPU)."""
+    """Bytes of one KV block of all layers, K and V, in the KV dtype (auto's on this CPU)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    return config["num_hidden_layers"] * 2 * BLOCK_SIZE * config["num_key_value_heads"] * head_dim * 4
+    return config["num_hidden_layers"] * 2 * BLOCK_SIZE * config["num_key_value_heads"] * head_dim * AUTO_DTYPE_BYTES
 
 
 # What each injected fault must do to one transfer, as the decode instance's consumer reports it:
@@ -76,7 +76,7 @@ FAULT_OUTCOMES = {
     # TCP and same-host memory copies protect the bytes): the consumer's check of that field.
     "corrupt": "frame rejected: corrupt: checksum mismatch",
     "bad_dtype": "frame rejected: bad header: float16",
-    "bad_shape": "frame rejected: bad header: float32",  # the dtype is right: the shape is not
+    "bad_shape": f"frame rejected: bad header: {AUTO_DTYPE}",  # the dtype is right: the shape is not
     "duplicate": None,  # the copy arrives after its transfer completed, and is dropped
     "drop": "timeout: no KV before the deadline",
 }
