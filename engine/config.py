@@ -98,6 +98,18 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, raw: dict) -> KVTransferConfig:
+        """vLLM's kv_transfer_config dict (``kv_connector_extra_config`` is our ``extra``);
+        a key this engine does not know is refused by name."""
+        raw = dict(raw)
+        extra = raw.pop("kv_connector_extra_config", None) or raw.pop("extra", None) or {}
+        known = {"kv_connector", "kv_role", "kv_ip", "kv_port", "kv_load_failure_policy"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**raw, extra=extra)
+
     def __post_init__(self) -> None:
         check_kv_ip(self.kv_ip)
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
@@ -105,6 +117,10 @@ class KVTransferConfig:
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError(
                 f"kv_load_failure_policy must be recompute or fail, got {self.kv_load_failure_policy!r}")
+
+
+# vLLM's other names for the dtypes (a torch.dtype given is read by its name).
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
 @dataclass
@@ -149,12 +165,18 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_transfer_config, dict):
+            self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        elif self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, KVTransferConfig):
+            raise TypeError(f"kv_transfer_config must be a KVTransferConfig or a dict, "
+                            f"got {type(self.kv_transfer_config).__name__}")
         self.cpu_cores = check_placement(self.cpu_cores, self.num_threads)
         if self.lend_cores_file and self.borrow_cores_file:
             raise ValueError("an instance lends its cores (lend_cores_file) or borrows (borrow_cores_file), not both")
         if (self.lend_cores_file or self.borrow_cores_file) and self.cpu_cores is None:
             raise ValueError("core lending needs the instance's own cores: cpu_cores")
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), self.dtype)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

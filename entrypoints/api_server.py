@@ -26,6 +26,7 @@ from engine.kv_transfer.params import (
 )
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from entrypoints.metrics import ServerMetrics
+from entrypoints.prompt_inputs import CHAT_ROLES, ContentPartError, message_text
 from entrypoints.protocol import (
     FIRST_TOKENS_SHOWN,
     BodyError,
@@ -50,7 +51,6 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
                 409: "prefill_remotely", 413: "invalid_request_error", 500: "internal_server_error",
                 503: "service_unavailable"}
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
 class APIError(Exception):
@@ -78,13 +78,10 @@ def _chat_message(index: int, message) -> dict:
                        f"messages.{index}.role")
     out = message.model_dump(exclude_none=True)
     if isinstance(message.content, list):
-        texts = []
-        for j, part in enumerate(message.content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{index}].content[{j}]: only text parts ({{\"type\": \"text\", "
-                                    f"\"text\": ...}}) are supported", f"messages.{index}.content.{j}")
-            texts.append(part["text"])
-        out["content"] = "\n".join(texts)
+        try:
+            out["content"] = message_text(message.content, f"messages[{index}].content")
+        except ContentPartError as exc:
+            raise APIError(400, str(exc), f"messages.{index}.content.{exc.index}") from None
     return out
 
 
@@ -127,6 +124,9 @@ class OpenAIServer:
         if request.model is not None and request.model not in self.model_names:
             raise APIError(404, f"The model `{request.model}` does not exist. Served: {', '.join(self.model_names)}",
                            "model")
+        field = request.unimplemented_field()
+        if field is not None:
+            raise APIError(400, f"{field}: not supported by this server (only its default is accepted)", field)
         return request
 
     async def _sampling_params(self, request, max_tokens: int | None, logprobs: int | None):

@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="context length (default: the model's max_position_embeddings)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="disable automatic prefix caching")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float", "half"],
                         help="weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with native bfloat16 "
                              "(AVX512-BF16 or AMX), float32 on other CPUs)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -96,12 +96,9 @@ def kv_transfer_config(args: argparse.Namespace):
             raw = json.loads(args.kv_transfer_config)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--kv-transfer-config is not valid JSON: {exc}")
-        extra = raw.pop("kv_connector_extra_config", None) or raw.pop("extra", None) or {}
-        known = {"kv_connector", "kv_role", "kv_ip", "kv_port", "kv_load_failure_policy"}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"--kv-transfer-config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        return KVTransferConfig(**raw, extra=extra)
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        return KVTransferConfig.from_dict(raw)
     if args.role == "both":
         return None
     return KVTransferConfig(

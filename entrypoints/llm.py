@@ -12,8 +12,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, OutputKind
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-Prompt = str | list[int]
+from entrypoints.llm_arguments import engine_arguments
+from entrypoints.prompt_inputs import PromptInput, parse_conversations, parse_prompts
 
 
 class LLM:
@@ -21,12 +21,14 @@ class LLM:
 
     ``LLM()`` loads the default model (SmolLM2-135M-Instruct). Keyword arguments follow vLLM:
     block_size, kv_cache_memory ("2GiB" or bytes) or num_blocks, max_num_seqs,
-    max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, seed, and
-    kv_store ("cpu:4GiB,disk:/path:20GiB,redis://host:6379/0"), kv_chunk_tokens, kv_store_ttl_s.
+    max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, seed,
+    kv_transfer_config, and kv_store ("cpu:4GiB,disk:/path:20GiB,redis://host:6379/0"),
+    kv_chunk_tokens, kv_store_ttl_s; vLLM's others are accepted or refused by name
+    (entrypoints/llm_arguments.py). None means the default.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_arguments(kwargs, model)))
         self._ids = itertools.count()
         # Stops the connector's threads and flushes pending KV store writes, at shutdown() or
         # when this object goes away (process exit included).
@@ -44,18 +46,21 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs come back in input order. A str, a list of str, one list of token ids, or a
-        list of lists of token ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Outputs come back in input order. ``prompts``: one prompt or a list of them, each a
+        str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (vLLM's forms,
+        entrypoints/prompt_inputs.py)."""
+        prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = list(sampling_params)
+        else:
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         for p in params:  # an invalid schema, regex or grammar fails here, before anything runs
@@ -66,20 +71,22 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """One conversation (a list of {"role", "content"} dicts, content a str or a list of
+        text parts) or a list of them."""
+        conversations = parse_conversations(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
         tokenizer = self.engine.tokenizer
+        conversation = parse_conversations(conversation, "conversation")[0]
         text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt)
         # The template already spells out the special tokens.
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:

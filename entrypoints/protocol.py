@@ -138,9 +138,32 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
+# Fields of OpenAI's and vLLM's requests that this server does not implement, each with the
+# values that ask for nothing: any other value is a 400 naming the field, never silently dropped.
+UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "prompt_logprobs": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1), "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_embeds": (None,),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "continue_final_message": (None, False), "documents": (None,),
+    "mm_processor_kwargs": (None,), "priority": (None, 0), "return_tokens_as_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True), "audio": (None,), "modalities": (None, ["text"]),
+}
+
+
 class _SamplingFields(BaseModel):
-    # Unknown fields are accepted (and ignored) like vLLM; wrong types of known ones are a 400.
+    # Unknown fields are accepted (and ignored) like vLLM; wrong types of known ones are a 400;
+    # known fields this server does not implement are a 400 unless inert (UNIMPLEMENTED_FIELDS).
     model_config = ConfigDict(extra="allow")
+
+    def unimplemented_field(self) -> str | None:
+        """The first field set to a value that asks for something this server does not do."""
+        given = {**(self.model_extra or {}), **{name: getattr(self, name) for name in self.model_fields_set}}
+        for name, inert in UNIMPLEMENTED_FIELDS.items():
+            if name in given and not any(type(given[name]) is type(v) and given[name] == v for v in inert
+                                         if v is not None) and given[name] is not None:
+                return name
+        return None
 
     model: str | None = None
     n: int = 1

@@ -122,6 +122,22 @@ def test_chat_content_parts(server):
            "messages.0.role")
 
 
+@pytest.mark.parametrize("path, extra, field", [
+    ("/v1/completions", {"echo": True}, "echo"), ("/v1/completions", {"suffix": " end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"), ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+])
+def test_fields_this_server_does_not_implement_are_refused_by_name(server, path, extra, field):
+    """Issue 27, item 7: accepted and ignored before (a 200 with neither echo nor suffix applied)."""
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    _error(_post(server, path, {**body, "max_tokens": 2, **extra}), 400, field)
+    inert = {"echo": False, "suffix": None, "best_of": 1, "prompt_logprobs": None, "use_beam_search": False,
+             "tools": [], "tool_choice": "none"}[field]
+    assert _post(server, path, {**body, "max_tokens": 2, field: inert}).status_code == 200
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "n": 5}, "n"),                       # more sequences than --max-num-seqs 4
     ({"prompt": ["a", "b", "c"], "n": 2}, "prompt"),
