@@ -171,12 +171,15 @@ class OutputProcessor:
                 seq.new_logprobs.append(decoded)
                 seq.cumulative_logprob += entries[0][1]
         matched = seq.detok.update(out.new_token_ids)
-        if out.from_prefill and request.first_tokens_shown:
+        stops = matched is not None and out.finish_reason not in ("abort", "error")
+        if out.from_prefill and request.first_tokens_shown and not stops and out.finish_reason is None:
             # The client saw this token's text (the prefill instance's answer, shown by the proxy):
-            # the deltas go on after it. It still counts in the usage.
+            # the deltas go on after it. It still counts in the usage. A sequence that ends with
+            # its first token was not shown (the proxy shows only those that go on, as the
+            # prefill's answer left them open): it goes out whole from here.
             seq.detok.next_delta(False)
             seq.new_logprobs.clear()
-        if matched is not None and out.finish_reason not in ("abort", "error"):
+        if stops:
             # A stop string ends the sequence here (also when the same token reached max_tokens
             # or was EOS: the stop string is why the text ends).
             seq.finish_reason, seq.stop_reason = "stop", matched

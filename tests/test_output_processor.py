@@ -115,6 +115,29 @@ def test_a_continuing_hand_off_keeps_its_offer(tokenizer):
     assert processed.outputs[0].outputs[0].finish_reason is None  # not finished for the client
 
 
+@pytest.mark.parametrize("ending", ["continues", "stop string", "length"])
+def test_a_decode_shows_only_first_tokens_the_proxy_did_not(tokenizer, ending):
+    """On a decode instance whose client was shown the prefill's first tokens: a sequence that
+    goes on was shown its first token (the deltas go on after it); one that ends with its first
+    token was not (the proxy shows only the sequences the prefill's answer left open), so its
+    text goes out whole. (The differential suite found the second case answered '', n=2.)"""
+    processor = OutputProcessor(tokenizer)
+    first = ids(tokenizer, " lighted")
+    stop = ["ted"] if ending == "stop string" else []
+    max_tokens = 1 if ending == "length" else 5
+    processor.add_request("d", None, [5, 6], SamplingParams(max_tokens=max_tokens, stop=stop), OutputKind.DELTA,
+                          first_tokens_shown=True)
+    finish = "length" if ending == "length" else None
+    (out,) = processor.process([EngineCoreOutput("d", first[:1], finish_reason=finish, from_prefill=True)]).outputs
+    text = out.outputs[0].text
+    if ending == "continues":
+        assert text == "" and out.outputs[0].finish_reason is None
+    else:
+        whole = tokenizer.decode(first[:1])
+        assert text == (whole.split("ted")[0] if stop else whole) and text
+        assert out.outputs[0].finish_reason == ("stop" if stop else "length")
+
+
 def test_stop_strings_end_sequences_in_the_core_for_a_real_engine(tiny_llama):
     llm = LLM(str(tiny_llama), num_blocks=64)
     reference = llm.generate([[11, 12, 13]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
