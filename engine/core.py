@@ -64,6 +64,10 @@ class EngineCoreProc:
             return Ack(msg.request_id, 409, str(exc), "kv_transfer_params.max_local_prefill_tokens")
         except ValueError as exc:
             return Ack(msg.request_id, 400, str(exc))
+        except Exception as exc:  # a bug met by one request: that request fails, the core goes on
+            logger.exception("admitting request %s failed", msg.request_id)
+            self.engine.discard_request(msg.request_id, msg.params.n)
+            return Ack(msg.request_id, 500, f"the engine failed to admit the request: {type(exc).__name__}: {exc}")
         self.prompt_tokens += len(msg.prompt_token_ids) * msg.params.n
         return Ack(msg.request_id)
 

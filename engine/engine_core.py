@@ -281,6 +281,13 @@ class EngineCore:
                 self._end_sequence(seq_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
 
+    def discard_request(self, request_id: str, n: int) -> None:
+        """Undo what an add_request that raised left behind: its sequences are aborted and
+        nothing of it goes out (it was refused, so no one waits for it)."""
+        seq_ids = {sequence_id(request_id, i, n) for i in range(n)}
+        self.abort_request(request_id if request_id in self._requests else list(seq_ids))
+        self._pending = [o for o in self._pending if o.req_id not in seq_ids]
+
     def stop_sequences(self, seq_ids: list[str]) -> None:
         """The front end found a stop string: these sequences end (stopped, not aborted: a tier
         may keep their KV)."""

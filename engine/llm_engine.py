@@ -43,8 +43,18 @@ class LLMEngine:
         if request_id in self.processor:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
-        self.core.add_request(request_id, prompt_token_ids, params, arrival_time, kv_transfer_params)
-        self.processor.add_request(request_id, prompt_text, prompt_token_ids, params, kind, first_tokens_shown)
+        try:
+            self.core.add_request(request_id, prompt_token_ids, params, arrival_time, kv_transfer_params)
+        except ValueError:  # refused before anything was queued
+            raise
+        except Exception:  # a failure part way: nothing of this request may stay behind
+            self.core.discard_request(request_id, params.n)
+            raise
+        try:
+            self.processor.add_request(request_id, prompt_text, prompt_token_ids, params, kind, first_tokens_shown)
+        except BaseException:
+            self.core.discard_request(request_id, params.n)
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (by the id given to add_request); their blocks are freed now."""
