@@ -70,6 +70,25 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be 0 (off) or a positive integer, got {value!r}")
 
 
+# kv_connector_extra_config: each key and the type its value must have (a typo such as
+# "encrypted" must not leave KV unencrypted).
+KV_EXTRA_TYPES = {"lease_s": (int, float), "load_timeout_s": (int, float), "encrypt": (bool,)}
+
+
+def check_kv_extra(extra: object) -> None:
+    if not isinstance(extra, dict):
+        raise ValueError(f"kv_connector_extra_config must be an object, got {type(extra).__name__}")
+    unknown = sorted(set(extra) - KV_EXTRA_TYPES.keys())
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(KV_EXTRA_TYPES)}")
+    for key, value in extra.items():
+        types = KV_EXTRA_TYPES[key]
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)) or \
+                (bool not in types and value <= 0):
+            kind = "true or false" if bool in types else "a positive number"
+            raise ValueError(f"kv_connector_extra_config.{key} must be {kind}, got {value!r}")
+
+
 def check_kv_ip(kv_ip: object) -> None:
     """The address a prefill binds its KV port to is also the one it tells decode instances to
     connect to: it must be a real IPv4 address or host name."""
@@ -111,6 +130,7 @@ class KVTransferConfig:
         return cls(**raw, extra=extra)
 
     def __post_init__(self) -> None:
+        check_kv_extra(self.extra)
         check_kv_ip(self.kv_ip)
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}")
@@ -176,7 +196,8 @@ class EngineConfig:
         if (self.lend_cores_file or self.borrow_cores_file) and self.cpu_cores is None:
             raise ValueError("core lending needs the instance's own cores: cpu_cores")
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)
-        self.dtype = DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), self.dtype)
+        name = str(self.dtype).removeprefix("torch.")  # a torch.dtype is read by its name
+        self.dtype = DTYPE_ALIASES.get(name, name)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -69,7 +69,7 @@ class LLM:
         return self._run(prompts, params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts, content a str or a list of
         text parts) or a list of them."""

@@ -41,12 +41,17 @@ def _read_vllm_only(name: str, value: object, model: str | None) -> None:
 
 
 VLLM_ONLY = frozenset(SINGLE_DEVICE + ("enforce_eager", "trust_remote_code", "quantization"))
-ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig) if f.init) - {"model"}
+# EngineConfig fields that only a served engine acts on (engine/core.py): refused offline.
+SERVER_ONLY = frozenset({"kv_events_config", "lend_cores_file", "borrow_cores_file"})
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig) if f.init) - {"model"} - SERVER_ONLY
 
 
 def engine_arguments(kwargs: dict, model: str | None = None) -> dict:
     """The EngineConfig keyword arguments of an LLM(...) call's keyword arguments."""
-    unknown = sorted(set(kwargs) - ENGINE_FIELDS - VLLM_ONLY)
+    served = sorted(SERVER_ONLY & {name for name, value in kwargs.items() if value is not None})
+    if served:
+        raise ValueError(f"{', '.join(served)}: only a served engine (engine serve) acts on this, not LLM()")
+    unknown = sorted(set(kwargs) - ENGINE_FIELDS - VLLM_ONLY - SERVER_ONLY)
     if unknown:
         raise TypeError(f"LLM() got unsupported argument(s) {', '.join(unknown)}; "
                         f"accepted: {', '.join(sorted(ENGINE_FIELDS | VLLM_ONLY))}")

@@ -15,19 +15,28 @@ PromptInput = str | list[int]  # what the engine's add_request takes
 PROMPT_FORMS = ('a str, a list of token ids, {"prompt": str}, {"prompt_token_ids": [int, ...]}, '
                 'or a list of these')
 # Keys of vLLM's prompt dicts that this engine does not implement: refused by name, never dropped.
+# (None asks for nothing, as vLLM reads it.)
 UNSUPPORTED_PROMPT_KEYS = frozenset({
-    "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds", "token_type_ids",
-    "cache_salt", "encoder_prompt", "decoder_prompt"})
+    "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "media_io_kwargs", "prompt_embeds",
+    "token_type_ids", "cache_salt", "encoder_prompt", "decoder_prompt"})
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
-def _token_ids(value: object) -> list[int] | None:
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _token_ids(value: object, where: str) -> list[int] | None:
     """value as a list of token ids, or None when it is not one (bools are not token ids). An
-    empty list is an empty prompt, which the engine refuses as such."""
+    empty list is an empty prompt, which the engine refuses as such; a list of token ids with
+    something else among them is a TypeError naming that element."""
     if not isinstance(value, (list, tuple)):
         return None
-    if all(isinstance(t, Integral) and not isinstance(t, bool) for t in value):
+    if all(_is_token_id(t) for t in value):
         return [int(t) for t in value]
+    if value and _is_token_id(value[0]):  # meant as token ids
+        i, bad = next((i, t) for i, t in enumerate(value) if not _is_token_id(t))
+        raise TypeError(f"{where}[{i}]: a token id must be an int, got {type(bad).__name__}: {bad!r:.40}")
     return None
 
 
@@ -35,25 +44,27 @@ def _one_prompt(value: object, where: str) -> PromptInput | None:
     """value as one prompt, None when it is not a single prompt (it may be a list of them)."""
     if isinstance(value, str):
         return value
-    ids = _token_ids(value)
+    ids = _token_ids(value, where)
     if ids is not None:
         return ids
     if not isinstance(value, dict):
         return None
+    value = {key: v for key, v in value.items() if not (key in UNSUPPORTED_PROMPT_KEYS and v is None)}
     unsupported = sorted(UNSUPPORTED_PROMPT_KEYS & value.keys())
     if unsupported:
         raise ValueError(f"{where}: {', '.join(unsupported)} is not supported by this engine (text prompts only)")
     unknown = sorted(map(repr, value.keys() - {"prompt", "prompt_token_ids"}))
     if unknown:
         raise TypeError(f"{where}: unknown prompt key(s) {', '.join(unknown)}; a prompt is {PROMPT_FORMS}")
-    if ("prompt" in value) == ("prompt_token_ids" in value):
-        raise TypeError(f"{where}: a prompt dict has exactly one of 'prompt' (str) and 'prompt_token_ids' "
-                        f"(a list of token ids), got keys {sorted(value)}")
-    if "prompt" in value:
-        if not isinstance(value["prompt"], str):
-            raise TypeError(f"{where}['prompt'] must be a str, got {type(value['prompt']).__name__}")
+    if "prompt" not in value and "prompt_token_ids" not in value:
+        raise TypeError(f"{where}: a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (a list of token ids), "
+                        f"got keys {sorted(value)}")
+    if "prompt" in value and not isinstance(value["prompt"], str):
+        raise TypeError(f"{where}['prompt'] must be a str, got {type(value['prompt']).__name__}")
+    if "prompt_token_ids" not in value:
         return value["prompt"]
-    ids = _token_ids(value["prompt_token_ids"])
+    # A TokensPrompt may carry its text too, for display (vLLM's "prompt"): the ids are the prompt.
+    ids = _token_ids(value["prompt_token_ids"], f"{where}['prompt_token_ids']")
     if ids is None:
         raise TypeError(f"{where}['prompt_token_ids'] must be a list of int token ids, "
                         f"got {value['prompt_token_ids']!r:.80}")
@@ -107,7 +118,7 @@ def message_text(content: object, where: str) -> str:
 def _message(message: object, where: str) -> dict:
     if not isinstance(message, dict):
         raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
-    if message.get("role") not in CHAT_ROLES:
+    if not isinstance(message.get("role"), str) or message["role"] not in CHAT_ROLES:
         raise ValueError(f"{where}['role'] must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}")
     out = dict(message)
     if message.get("content") is not None:  # an assistant's tool-call message may have none

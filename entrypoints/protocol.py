@@ -6,7 +6,7 @@ import math
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
@@ -117,6 +117,7 @@ def random_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # not implemented: true is refused (UNIMPLEMENTED_FIELDS)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -148,7 +149,17 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "function_call": (None, "none", "auto"), "continue_final_message": (None, False), "documents": (None,),
     "mm_processor_kwargs": (None,), "priority": (None, 0), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "audio": (None,), "modalities": (None, ["text"]),
+    "chat_template_kwargs": (None, {}), "cache_salt": (None,), "logits_processors": (None, []),
+    "reasoning_effort": (None,), "return_token_ids": (None, False), "include_reasoning": (None, True),
+    "web_search_options": (None,), "vllm_xargs": (None, {}), "media_io_kwargs": (None, {}),
 }
+
+
+def _is_inert(value: object, inert: tuple) -> bool:
+    """Whether value asks for nothing: None, or equal to an inert value of the same kind (True
+    is not 1, 1.0 is 1)."""
+    return value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool)
+                                for v in inert if v is not None)
 
 
 class _SamplingFields(BaseModel):
@@ -156,13 +167,19 @@ class _SamplingFields(BaseModel):
     # known fields this server does not implement are a 400 unless inert (UNIMPLEMENTED_FIELDS).
     model_config = ConfigDict(extra="allow")
 
-    def unimplemented_field(self) -> str | None:
-        """The first field set to a value that asks for something this server does not do."""
+    # Per endpoint, what asks for nothing where it differs (vLLM's defaults: completions add the
+    # tokenizer's special tokens, chat prompts are the template's alone).
+    _INERT_HERE: ClassVar[dict[str, tuple]] = {}
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """(field, why) for the first field that asks for something this server does not do."""
         given = {**(self.model_extra or {}), **{name: getattr(self, name) for name in self.model_fields_set}}
-        for name, inert in UNIMPLEMENTED_FIELDS.items():
-            if name in given and not any(type(given[name]) is type(v) and given[name] == v for v in inert
-                                         if v is not None) and given[name] is not None:
-                return name
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            given["stream_options.continuous_usage_stats"] = True
+        for name, inert in {**UNIMPLEMENTED_FIELDS, **self._INERT_HERE,
+                            "stream_options.continuous_usage_stats": (None, False)}.items():
+            if name in given and not _is_inert(given[name], inert):
+                return name, f"{name}: not supported by this server (only its default is accepted)"
         return None
 
     model: str | None = None
@@ -251,7 +268,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None  # not implemented: true is refused (UNIMPLEMENTED_FIELDS)
+    _INERT_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, True)}
 
 
 class ChatMessage(BaseModel):
@@ -268,6 +286,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    _INERT_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, False)}
+
+    def refused_field(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM answer
+            return "top_logprobs", "top_logprobs: needs logprobs set to true"
+        return super().refused_field()
 
 
 class UsageInfo(BaseModel):

@@ -36,7 +36,7 @@ not_a_prompt = st.one_of(
     st.lists(st.floats(allow_nan=False), min_size=1, max_size=3),
     st.lists(token_lists, min_size=1, max_size=2).map(lambda x: [x]),  # a list of lists of token lists
     st.lists(st.text(max_size=3), min_size=1, max_size=2).map(lambda x: [x]),  # a list of lists of str
-    st.just({"prompt": "a", "prompt_token_ids": [1]}), st.just({}),
+    st.just({}), st.just({"multi_modal_data": None}),
     st.dictionaries(st.text(min_size=1, max_size=5).filter(lambda k: k not in ("prompt", "prompt_token_ids")),
                     st.text(max_size=3), min_size=1, max_size=2),
     st.just({"prompt": 5}), st.just({"prompt_token_ids": "12"}), st.just({"prompt_token_ids": [1.5]}),
@@ -68,11 +68,24 @@ def test_a_lone_int_is_not_a_prompt():
         parse_prompts(5)
 
 
+def test_a_bad_token_id_is_named():
+    for bad, where in (([1, True], r"prompts\[1\]"), ([[1, 2], [3, 2.0]], r"prompts\[1\]\[1\]"),
+                       ({"prompt_token_ids": [1, None]}, r"prompts\['prompt_token_ids'\]\[1\]")):
+        with pytest.raises(TypeError, match=where + ": a token id must be an int"):
+            parse_prompts(bad)
+
+
+def test_vllm_optional_keys_read_as_vllm_does():
+    # A TokensPrompt may carry its text for display; None asks for nothing.
+    assert parse_prompts({"prompt_token_ids": [1, 2], "prompt": "ab"}) == [[1, 2]]
+    assert parse_prompts([{"prompt": "x", "multi_modal_data": None}]) == ["x"]
+
+
 def test_vllm_keys_this_engine_lacks_are_refused_by_name():
     with pytest.raises(ValueError, match="multi_modal_data is not supported"):
         parse_prompts({"prompt": "describe", "multi_modal_data": {"image": None}})
     with pytest.raises(ValueError, match=r"prompts\[1\]: prompt_embeds"):
-        parse_prompts(["a", {"prompt_embeds": None}])
+        parse_prompts(["a", {"prompt_embeds": [[0.5]]}])
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +158,8 @@ def test_chat_takes_text_parts_and_refuses_others_by_name(llm):
     for bad in ({"role": "user", "content": "a"}, "Hi", [], [["not a message"]]):
         with pytest.raises(TypeError, match="messages"):
             llm.chat(bad, PARAMS)
+    with pytest.raises(TypeError):  # vLLM's 4th positional is lora_request: never read as another option
+        llm.chat([{"role": "user", "content": "a"}], PARAMS, False, None)
 
 
 def test_parse_conversations_keeps_other_message_fields():
@@ -163,6 +178,24 @@ def test_vllm_constructor_arguments_are_read_or_refused_by_name():
         engine_arguments(dict(enforce_eager="yes"))
     with pytest.raises(TypeError, match="unsupported argument.*swap_space.*accepted: .*max_model_len"):
         engine_arguments(dict(swap_space=4))
+    with pytest.raises(ValueError, match="kv_events_config: only a served engine"):
+        engine_arguments(dict(kv_events_config={"enable_kv_cache_events": True}))
+
+
+def test_config_reads_vllm_spellings_and_checks_connector_extras():
+    import torch
+
+    from engine.config import EngineConfig, KVTransferConfig
+    for given, want in ((torch.bfloat16, "bfloat16"), ("torch.float32", "float32"), ("half", "float16"),
+                        ("float", "float32"), (torch.float16, "float16")):
+        assert EngineConfig(dtype=given).dtype == want
+    with pytest.raises(ValueError, match="unknown keys \\['encrypted'\\]"):
+        KVTransferConfig.from_dict({"kv_role": "kv_producer", "kv_connector_extra_config": {"encrypted": True}})
+    with pytest.raises(ValueError, match="encrypt must be true or false"):
+        KVTransferConfig(extra={"encrypt": "false"})
+    with pytest.raises(ValueError, match="lease_s must be a positive number"):
+        KVTransferConfig(extra={"lease_s": 0})
+    assert KVTransferConfig.from_dict({"kv_connector_extra_config": {"lease_s": 5, "encrypt": False}}).extra["lease_s"] == 5
 
 
 def test_an_llm_built_with_vllm_arguments(tiny_llama):

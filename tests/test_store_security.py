@@ -338,7 +338,7 @@ def test_a_server_with_a_wrong_redis_password_serves_and_hides_it(tiny_llama, re
         prompt = _prompt(62, 100)
         resp = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True})
+            "ignore_eos": True})
         assert resp.status_code == 200, resp.text
         server.wait_idle()
         status = httpx.get(f"{server.url}/status", timeout=5).text
