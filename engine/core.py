@@ -127,7 +127,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
             raise SystemExit(1)
         push.send(encoder.encode(EngineInfo(engine.max_model_len, engine.vocab_size, config.block_size,
                                             engine.runner.num_blocks, engine.fingerprint,
-                                            config.max_num_seqs)))
+                                            config.max_num_seqs, core.stats())))
         try:
             _loop(core, pull, push, encoder, decoder, parent_pid)
         finally:

@@ -49,6 +49,7 @@ class ChoiceDelta(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[list[LogprobEntry]] | None = None
+    text_offset: int = 0  # logprobs' text_offset of its first token (engine/outputs.py)
 
 
 class RequestDelta(msgspec.Struct):
@@ -69,7 +70,8 @@ class RequestDelta(msgspec.Struct):
             if c.logprobs is not None:
                 logprobs = [[(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in entry.items()]
                             for entry in c.logprobs]
-            choices.append(ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs))
+            choices.append(ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs,
+                                       c.text_offset))
         return cls(out.request_id, choices, out.finished, out.num_cached_tokens, out.kv_transfer_params,
                    out.error, out.queue_time)
 
@@ -146,6 +148,8 @@ class AsyncEngineClient:
                 msg = self._decoder.decode(await self._pull.recv())
                 if isinstance(msg, EngineInfo):
                     self.info = msg
+                    if msg.stats is not None:
+                        self.stats = msg.stats
                     break
                 if isinstance(msg, EngineDead):
                     raise RuntimeError(msg.error)
@@ -222,12 +226,12 @@ class AsyncEngineClient:
                                                       kv_transfer_params))
         except (OverflowError, TypeError, ValueError) as exc:  # validated upstream; a last line of defence
             raise EngineRequestError(400, f"the request cannot be passed to the engine: {exc}") from None
+        # Registered before the core can answer: its first outputs may come with the ack.
+        self.processor.add_request(request_id, None, prompt_token_ids, params, OutputKind.DELTA, first_tokens_shown)
         stream = RequestStream(self, request_id)
         ack: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queues[request_id] = stream.queue
         self._acks[request_id] = ack
-        # Registered before the core can answer: its first outputs may come with the ack.
-        self.processor.add_request(request_id, None, prompt_token_ids, params, OutputKind.DELTA, first_tokens_shown)
         try:
             await self._push.send(message)
             answer: Ack = await ack

@@ -284,8 +284,14 @@ class EngineCore:
     def discard_request(self, request_id: str, n: int) -> None:
         """Undo what an add_request that raised left behind: its sequences are aborted and
         nothing of it goes out (it was refused, so no one waits for it)."""
-        seq_ids = {sequence_id(request_id, i, n) for i in range(n)}
-        self.abort_request(request_id if request_id in self._requests else list(seq_ids))
+        seq_ids = [sequence_id(request_id, i, n) for i in range(n)]
+        # By sequence id, never through abort_request: a sequence id can also be another
+        # request's id ("0_x" of x, or a client's own "0_x"), and admission checked that these
+        # sequence ids were free, so each one is this request's.
+        for seq_id in seq_ids:
+            self._end_sequence(seq_id)
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+        self._requests.pop(request_id, None)
         self._pending = [o for o in self._pending if o.req_id not in seq_ids]
 
     def stop_sequences(self, seq_ids: list[str]) -> None:

@@ -16,3 +16,13 @@ class PrefillElsewhere(Exception):
         super().__init__(f"{num_uncached_tokens} prompt tokens are not in this instance's prefix cache (more than "
                          f"kv_transfer_params.max_local_prefill_tokens={limit}): prefill them on a prefill instance")
         self.num_uncached_tokens = num_uncached_tokens
+
+
+# A request ended by a peer's fault (its KV never came, under --kv-load-failure-policy fail):
+# the API answers 502, which clients retry, not 500.
+KV_LOAD_FAILED = "KV cache load failed"
+
+
+def error_status(error: str) -> int:
+    """The HTTP status of a request the engine ended with ``error``."""
+    return 502 if error.startswith(KV_LOAD_FAILED) else 500

@@ -108,6 +108,9 @@ class EngineInfo(msgspec.Struct, tag="ready"):
     num_blocks: int
     fingerprint: str
     max_num_seqs: int = 256
+    # The core's first stats, so the server's /status shows every configured KV store tier from
+    # its first answer (before, it showed none until the core's first stats message arrived).
+    stats: EngineStats | None = None
 
 
 class Ack(msgspec.Struct, tag="ack"):

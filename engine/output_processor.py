@@ -47,6 +47,10 @@ class _Sequence:
     stop_reason: int | str | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # Characters of the sampled tokens' strings whose logprobs went out (or were shown by a
+    # proxy): where the next delta's logprobs text_offset starts. A function of the tokens
+    # alone, so a decode instance's offsets continue a prefill's as a single instance's do.
+    logprob_chars: int = 0
     reported_finish: bool = False  # its finish went out in a delta: later deltas leave it out
 
     @property
@@ -95,12 +99,13 @@ class OutputProcessor:
                     kind: OutputKind, first_tokens_shown: bool = False) -> None:
         """``first_tokens_shown``: the client was already shown the first tokens a prefill
         instance sampled (as far as the stop strings allowed), so the deltas go on after them."""
-        sequences = {}
+        sequences = {}  # built whole before anything is registered: a failure leaves nothing
         for index in range(params.n):
             seq_id = sequence_id(request_id, index, params.n)
             sequences[seq_id] = _Sequence(index, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
                                           logprobs=[] if params.logprobs is not None else None,
                                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+        for seq_id in sequences:
             self._request_of[seq_id] = request_id
         self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), kind, sequences,
                                               first_tokens_shown)
@@ -178,6 +183,7 @@ class OutputProcessor:
             # its first token was not shown (the proxy shows only those that go on, as the
             # prefill's answer left them open): it goes out whole from here.
             seq.detok.next_delta(False)
+            seq.logprob_chars += _sampled_chars(seq.new_logprobs, out.new_token_ids)
             seq.new_logprobs.clear()
         if stops:
             # A stop string ends the sequence here (also when the same token reached max_tokens
@@ -208,6 +214,7 @@ class OutputProcessor:
             reason = seq.shown_finish_reason
             if delta and seq.reported_finish:
                 continue
+            offset = seq.logprob_chars if delta else 0
             delta_text = seq.detok.next_delta(reason is not None)
             text = delta_text if delta else seq.detok.sent_text
             if delta and not seq.new_token_ids and not text and reason is None:
@@ -216,9 +223,16 @@ class OutputProcessor:
             outputs.append(CompletionOutput(
                 seq.index, text, list(seq.new_token_ids if delta else seq.token_ids), reason, seq.stop_reason,
                 list(seq.new_logprobs) if delta and seq.logprobs is not None else seq.logprobs,
-                seq.cumulative_logprob))
+                seq.cumulative_logprob, offset))
+            if delta:
+                seq.logprob_chars += _sampled_chars(seq.new_logprobs, seq.new_token_ids)
             seq.new_token_ids.clear()
             seq.new_logprobs.clear()
         kv = request.kv_transfer_params if finished else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
                              request.num_cached_tokens, kv, request.error, request.queue_time)
+
+
+def _sampled_chars(logprobs: list[dict[int, Logprob]], token_ids: list[int]) -> int:
+    """Characters of the sampled tokens' strings in these logprob entries (one per token)."""
+    return sum(len(entries[t].decoded_token) for entries, t in zip(logprobs, token_ids) if t in entries)

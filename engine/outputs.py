@@ -116,6 +116,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # For logprobs' text_offset: the characters of the sampled token strings before this
+    # output's first token (0 for a final output). On a decode instance whose client was shown a
+    # prefill's first tokens, its deltas start past them, as on a single instance.
+    text_offset: int = 0
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
+from engine.errors import KV_LOAD_FAILED
 from engine.grammar import build_bitmask
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import KVConnectorScheduler, NoOpConnectorScheduler
@@ -370,11 +371,15 @@ class Scheduler:
             if self.connector.load_failure_policy == "recompute":
                 logger.warning("KV load for %s failed (%s); recomputing the prefill locally", req_id, reason)
                 continue
-            self.waiting.remove(request)
-            request.status = RequestStatus.FINISHED_ERROR
-            request.error = f"KV cache load failed: {reason}"
-            self._free_request(request)
-            outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=request.error))
+            # Policy fail: the whole request fails, its n samples waiting on this load too
+            # (they would otherwise recompute and answer as if nothing happened).
+            followers = [r for r in self.waiting if r.kv_leader == req_id]
+            for failing in [request, *followers]:
+                self.waiting.remove(failing)
+                failing.status = RequestStatus.FINISHED_ERROR
+                failing.error = f"{KV_LOAD_FAILED}: {reason}"
+                self._free_request(failing)
+                outputs.append(EngineCoreOutput(failing.request_id, [], finish_reason="error", error=failing.error))
         return outputs
 
     def _free_request(self, request: Request) -> KVTransferParams | None:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.block_pool import root_block_hash
 from engine.core_client import AsyncEngineClient, ChoiceDelta, EngineRequestError, LogprobEntry, RequestStream
+from engine.errors import error_status
 from engine.request_ids import prompt_request_id
 from engine.kv_transfer.params import (
     KVTransferParams,
@@ -49,7 +50,7 @@ logger = logging.getLogger("engine.api")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 409: "prefill_remotely", 413: "invalid_request_error", 500: "internal_server_error",
-                503: "service_unavailable"}
+                502: "upstream_error", 503: "service_unavailable"}
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 
 
@@ -124,9 +125,9 @@ class OpenAIServer:
         if request.model is not None and request.model not in self.model_names:
             raise APIError(404, f"The model `{request.model}` does not exist. Served: {', '.join(self.model_names)}",
                            "model")
-        field = request.unimplemented_field()
-        if field is not None:
-            raise APIError(400, f"{field}: not supported by this server (only its default is accepted)", field)
+        refused = request.refused_field()
+        if refused is not None:
+            raise APIError(400, refused[1], refused[0])
         return request
 
     async def _sampling_params(self, request, max_tokens: int | None, logprobs: int | None):
@@ -434,7 +435,7 @@ class _Response:
             async for i, delta in self._merged(streams):
                 self._record(i, delta)
                 if delta.error is not None and delta.finished and all(c.finish_reason == "error" for c in delta.choices):
-                    raise APIError(500, delta.error)
+                    raise APIError(error_status(delta.error), delta.error)
                 for c in delta.choices:
                     index = i * self.n + c.index
                     texts[index] = texts.get(index, "") + c.text
@@ -468,7 +469,6 @@ class _Response:
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
-        offsets: dict[int, int] = {}
         completed = False
 
         def chunk(choices: list[dict], **extra) -> str:
@@ -481,13 +481,11 @@ class _Response:
             async for i, delta in self._merged(streams):
                 self._record(i, delta)
                 if delta.error is not None and all(c.finish_reason == "error" for c in delta.choices):
-                    yield sse(APIError(500, delta.error).body())
+                    yield sse(APIError(error_status(delta.error), delta.error).body())
                     break
                 out = []
                 for c in delta.choices:
-                    index = i * self.n + c.index
-                    out.append(self._stream_choice(index, c, offsets))
-                    offsets[index] = offsets.get(index, 0) + len(c.text)
+                    out.append(self._stream_choice(i * self.n + c.index, c))
                 if out:
                     kv = ({"kv_transfer_params": msgspec.to_builtins(delta.kv_transfer_params)}
                           if delta.kv_transfer_params else {})
@@ -507,8 +505,9 @@ class _Response:
                 self._finish_metrics(aborted=True)
         yield sse("[DONE]")
 
-    def _stream_choice(self, index: int, c: ChoiceDelta, offsets: dict[int, int]) -> dict:
-        return stream_choice(index, c.text, self._logprobs(c.logprobs, offsets.get(index, 0)), c.finish_reason,
+    def _stream_choice(self, index: int, c: ChoiceDelta) -> dict:
+        # c.text_offset: past the text a prefill instance's first token showed, on a decode.
+        return stream_choice(index, c.text, self._logprobs(c.logprobs, c.text_offset), c.finish_reason,
                              c.stop_reason, self.chat)
 
 

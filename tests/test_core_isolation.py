@@ -82,3 +82,20 @@ def test_an_exception_admitting_one_request_fails_only_that_request(core, monkey
     # The victim's id is free again.
     assert _add(core, victim, SamplingParams(**GREEDY)).status == 200
     assert _run_to_end(core)[victim] == tokens[before]
+
+
+def test_a_failed_admission_never_touches_a_request_named_like_its_sequences(core, monkeypatch):
+    """Sequence 0 of "v" (n=2) is "0_v", which is also a legal request id: undoing the failed "v"
+    must leave a live request called "0_v" alone (it aborted it, and its client waited forever)."""
+    engine = core.engine
+    assert _add(core, "0_v", SamplingParams(n=2, seed=1, **GREEDY)).status == 200
+    real = engine.validate
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(engine, "validate", failing)
+    assert _add(core, "v", SamplingParams(n=2, seed=1, **GREEDY)).status == 500
+    monkeypatch.setattr(engine, "validate", real)
+    tokens = _run_to_end(core)
+    assert sorted(tokens) == ["0_0_v", "1_0_v"] and all(len(t) == 4 for t in tokens.values())
+    assert engine.num_tracked_requests() == 0

@@ -142,14 +142,15 @@ def call(url: str, path: str, body: dict, client: str) -> tuple[int, list[dict] 
 
 
 def _logprob_entries(logprobs, chat: bool) -> list[tuple]:
-    """One (token, logprob, top-k as ((token, logprob), ...)) per generated token."""
+    """One (token, logprob, top-k as ((token, logprob), ...), text_offset) per generated token."""
     if logprobs is None:
         return []
     if chat:
-        return [(e["token"], e["logprob"], tuple((t["token"], t["logprob"]) for t in e.get("top_logprobs") or []))
-                for e in logprobs.get("content") or []]
+        return [(e["token"], e["logprob"], tuple((t["token"], t["logprob"]) for t in e.get("top_logprobs") or []),
+                 None) for e in logprobs.get("content") or []]
     tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
-    return [(tok, lp, tuple((top or {}).items())) for tok, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], tops)]
+    return [(tok, lp, tuple((top or {}).items()), offset) for tok, lp, top, offset in
+            zip(logprobs["tokens"], logprobs["token_logprobs"], tops, logprobs["text_offset"])]
 
 
 def reconstruct(result, chat: bool, stream: bool) -> dict:
@@ -213,6 +214,7 @@ def assert_same(want: dict, got: dict, what: str) -> None:
             f"{where}: {len(g['logprobs'])} logprob entries != {len(w['logprobs'])}")
         for k, (ge, we) in enumerate(zip(g["logprobs"], w["logprobs"])):
             assert ge[0] == we[0], f"{where}, token {k}: {ge[0]!r} != {we[0]!r}"
+            assert ge[3] == we[3], f"{where}, token {k}: text_offset {ge[3]} != {we[3]}"
             assert math.isclose(ge[1], we[1], abs_tol=LOGPROB_TOL), f"{where}, token {k}: logprob {ge[1]} != {we[1]}"
             assert [t for t, _ in ge[2]] == [t for t, _ in we[2]], f"{where}, token {k}: top {ge[2]} != {we[2]}"
             for (_, gv), (_, wv) in zip(ge[2], we[2]):

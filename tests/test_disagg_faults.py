@@ -58,17 +58,18 @@ def expected(colocated) -> str:
 BODY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
-def _prefill(prefill, fault: str | None) -> dict:
+def _prefill(prefill, fault: str | None, **body) -> dict:
     params = {"do_remote_decode": True, **({"inject_fault": fault} if fault else {})}
-    resp = httpx.post(f"{prefill.url}/v1/completions", timeout=30, json={**BODY, "kv_transfer_params": params})
+    resp = httpx.post(f"{prefill.url}/v1/completions", timeout=30,
+                      json={**BODY, **body, "kv_transfer_params": params})
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["finish_reason"] is None  # handed off, not finished
     return resp.json()["kv_transfer_params"]
 
 
-def _decode(decode, params: dict, request_id: str | None = None) -> httpx.Response:
+def _decode(decode, params: dict, request_id: str | None = None, **body) -> httpx.Response:
     return httpx.post(f"{decode.url}/v1/completions", timeout=60, headers=_request_id(request_id),
-                      json={**BODY, "kv_transfer_params": params})
+                      json={**BODY, **body, "kv_transfer_params": params})
 
 
 def _request_id(request_id: str | None) -> dict:
@@ -169,9 +170,16 @@ def test_fail_policy_returns_an_error(tiny_llama, prefill):
     srv = ServerProcess(str(tiny_llama), *ARGS, "--role", "decode", "--kv-load-timeout-s", "1",
                         "--kv-load-failure-policy", "fail")
     try:
+        # A peer's fault: 502, which clients retry (not 500).
         resp = _decode(srv, _prefill(prefill, "drop"))
-        assert resp.status_code == 500 and "KV cache load failed" in resp.json()["error"]["message"]
+        assert resp.status_code == 502 and "KV cache load failed" in resp.json()["error"]["message"]
         assert _failures(srv) == {"timeout": 1}
+        # n=2: only the leader pulls; under policy fail the whole request fails, never a 200
+        # with one choice failed and the other recomputed (issue 27, item 5).
+        sampled = dict(n=2, temperature=0.8, seed=3)
+        resp = _decode(srv, _prefill(prefill, "drop", **sampled), **sampled)
+        assert resp.status_code == 502 and "KV cache load failed" in resp.json()["error"]["message"]
+        assert _failures(srv) == {"timeout": 2}
         srv.wait_idle()
         prefill.wait_idle(timeout=15)
     finally:

@@ -7,13 +7,14 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
 
 from engine.config import EngineConfig, KVTransferConfig
 from engine.kv_transfer.params import (
-    KVTransferParams, KVTransferParamsError, check_kv_transfer_params_signature, sign_kv_transfer_params,
+    KVTransferParams, KVTransferParamsError, check_kv_transfer_params_signature, sign_kv_transfer_params, signed_bytes,
 )
 from engine.kv_transfer.secret import ENV_VAR, KVSecret, KVSecretError, load_kv_secret
 from entrypoints.cli import check_kv_exposure
@@ -86,6 +87,38 @@ def test_signed_params_verify_and_nothing_else_does():
     # Nothing to act on, or no secret to check with (loopback only): accepted as they are.
     check_kv_transfer_params_signature(KVTransferParams(do_remote_decode=True), secret)
     check_kv_transfer_params_signature(params, None)
+
+
+class _OlderParams(msgspec.Struct, omit_defaults=True):
+    """kv_transfer_params as another release shapes them: fields in another order, and without
+    the ones added since (first tokens, conditional disaggregation)."""
+    expires_at: int = 0
+    token_digest: str | None = None
+    num_tokens: int = 0
+    remote_request_id: str | None = None
+    remote_kv_addr: str | None = None
+    do_remote_prefill: bool = False
+    signature: str | None = None
+
+
+def test_params_signed_by_another_release_verify_across_an_upgrade():
+    """Issue 27, item 9: the signature covers a canonical form (sorted keys, defaults left out,
+    versioned), so an instance of an older or newer release verifies hand-offs during a rolling
+    upgrade; the previous release's own form (the struct's JSON) still verifies too."""
+    secret = KVSecret(SECRET)
+    older = _OlderParams(int(time.time()) + 60, "d" * 64, 40, "r", "tcp://10.0.0.1:14579", True)
+    older = msgspec.structs.replace(older, signature=secret.mac("params", signed_bytes(older)).hex())
+    wire = msgspec.json.encode(older)  # what the older prefill sends
+    check_kv_transfer_params_signature(msgspec.json.decode(wire, type=KVTransferParams), secret)
+    # The previous release signed the struct's JSON in field order: accepted as well.
+    current = KVTransferParams(do_remote_prefill=True, remote_kv_addr="tcp://10.0.0.1:14579", remote_request_id="r",
+                               num_tokens=40, token_digest="d" * 64, expires_at=int(time.time()) + 60)
+    legacy = msgspec.structs.replace(current, signature=secret.mac("params", msgspec.json.encode(current)).hex())
+    check_kv_transfer_params_signature(legacy, secret)
+    # Changed after signing, in either form: refused.
+    for signed in (msgspec.json.decode(wire, type=KVTransferParams), legacy):
+        with pytest.raises(KVTransferParamsError):
+            check_kv_transfer_params_signature(msgspec.structs.replace(signed, num_tokens=41), secret)
 
 
 def _serve_args(role: str, host: str, kv_ip: str | None = None, insecure: bool = False) -> argparse.Namespace:

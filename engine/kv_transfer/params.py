@@ -129,12 +129,28 @@ def sign_kv_transfer_params(params: KVTransferParams, secret: KVSecret | None, t
     return sign_until(params, secret, int(time.time() + ttl_s + CLOCK_SKEW_S))
 
 
+def signed_bytes(params: msgspec.Struct) -> bytes:
+    """What a signature covers: a versioned canonical form — the fields that differ from their
+    defaults (the signature itself left out), keys sorted. Neither the field order of the
+    struct nor a field a newer version adds with a default (absent from an older instance's
+    params) changes it, so hand-offs verify across a rolling upgrade."""
+    fields = msgspec.to_builtins(params)
+    fields.pop("signature", None)
+    return b"kv-params-v2\0" + msgspec.json.encode(fields, order="sorted")
+
+
+def _legacy_signed_bytes(params: KVTransferParams) -> bytes:
+    """The form signed before signed_bytes (the struct's JSON in field order): still verified,
+    so instances of the previous release keep handing off during an upgrade."""
+    return msgspec.json.encode(msgspec.structs.replace(params, signature=None))
+
+
 def sign_until(params: KVTransferParams, secret: KVSecret | None, expires_at: int) -> KVTransferParams:
     """``params`` expiring at ``expires_at`` and, with a secret, signed."""
     unsigned = msgspec.structs.replace(params, expires_at=expires_at, signature=None)
     if secret is None:
         return unsigned
-    return msgspec.structs.replace(unsigned, signature=secret.mac("params", msgspec.json.encode(unsigned)).hex())
+    return msgspec.structs.replace(unsigned, signature=secret.mac("params", signed_bytes(unsigned)).hex())
 
 
 def check_kv_transfer_params_signature(params: KVTransferParams | None, secret: KVSecret | None) -> None:
@@ -150,8 +166,8 @@ def check_kv_transfer_params_signature(params: KVTransferParams | None, secret: 
         tag = bytes.fromhex(params.signature)
     except ValueError:
         tag = b""
-    unsigned = msgspec.structs.replace(params, signature=None)
-    if not secret.verify("params", tag, msgspec.json.encode(unsigned)):
+    if not (secret.verify("params", tag, signed_bytes(params)) or
+            secret.verify("params", tag, _legacy_signed_bytes(params))):
         raise KVTransferParamsError(f"{field} does not verify: these kv_transfer_params were not issued by this "
                                     "deployment, or were changed", field)
     if params.expires_at < time.time():

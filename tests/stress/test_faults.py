@@ -190,8 +190,10 @@ def test_redis_killed_mid_run(stress_model, reference, tmp_path):
     shared = [_prompt(500 + k, 400) for k in range(4)]
     jobs = [Job(i, shared[i % 4] + _prompt(600 + i, 30), 12, None) for i in range(40)]
     try:
+        # The configured tier is in the first status a started server gives (issue 27, item 8).
+        assert "redis" in server.status()["kv_store"]
         task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(server.url, jobs, rate=20.0, deadline_s=120))
-        # (The tier shows in /status with the engine's first stats message: poll until it stored.)
+        # Then wait until it has stored something before killing it.
         wait_for(lambda: server.status()["kv_store"].get("redis", {}).get("bytes_stored", 0) > 0,
                  state=server.status)
         redis_server.kill()

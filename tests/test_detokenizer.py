@@ -1,0 +1,54 @@
+"""Incremental detokenization against the whole-text decode (issue 27, item 1): for any text,
+a prompt cut after any of its token ids (inside a UTF-8 character too), streamed one token at a
+time or in one piece, the output text is the whole text's decode after the prompt's complete
+characters — never a piece of the prompt."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+# Multi-byte characters are the point: emoji, CJK, accents, symbols (no U+FFFD itself, which the
+# oracle uses to find where the prompt's complete characters end).
+ALPHABET = st.one_of(st.sampled_from(list(" abcxyz.,\n")), st.sampled_from(list("éü☃日本語🙂🤯🦜ß∑")),
+                     st.characters(min_codepoint=0x80, max_codepoint=0x1FAFF, exclude_categories=("Cs", "Cc"),
+                                   exclude_characters="\ufffd"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir) -> Tokenizer:
+    return Tokenizer.from_str(AutoTokenizer.from_pretrained(smollm2_dir)._tokenizer.to_str())
+
+
+def expected_output(tokenizer: Tokenizer, ids: list[int], cut: int) -> str:
+    whole, prompt = tokenizer.decode(ids), tokenizer.decode(ids[:cut]).rstrip("\ufffd")
+    assert whole.startswith(prompt)
+    return whole[len(prompt):]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(text=st.text(ALPHABET, min_size=2, max_size=24), data=st.data(), streamed=st.booleans())
+def test_output_text_is_the_whole_decode_after_the_prompt(tokenizer, text, data, streamed):
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if len(ids) < 2:
+        return
+    cut = data.draw(st.integers(1, len(ids) - 1))
+    detok = IncrementalDetokenizer(tokenizer, ids[:cut], SamplingParams())
+    pieces = []
+    for chunk in ([[t] for t in ids[cut:]] if streamed else [ids[cut:]]):
+        detok.update(chunk)
+        pieces.append(detok.next_delta(False))
+    pieces.append(detok.next_delta(True))
+    assert "".join(pieces) == detok.text == expected_output(tokenizer, ids, cut)
+
+
+def test_a_prompt_cut_inside_an_emoji_is_not_repeated(tokenizer):
+    ids = tokenizer.encode("Hello 🤯🦜 world", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer, ids[:2], SamplingParams())  # "Hello" + the emoji's first byte
+    detok.update(ids[2:])
+    assert detok.text == "🤯🦜 world"  # it answered "Hello 🤯🦜 world"
