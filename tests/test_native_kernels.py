@@ -167,6 +167,12 @@ def test_paged_attention_refuses_what_it_cannot_read(isa):
         run_attention(kernels, q[:, :3], k_cache, v_cache, table, query_start, seq_lens, *args)
     with pytest.raises(RuntimeError, match="dtype"):
         run_attention(kernels, q, k_cache.bfloat16(), v_cache.bfloat16(), table, query_start, seq_lens, *args)
+    with pytest.raises(RuntimeError, match="block size of 0"):
+        run_attention(kernels, q, k_cache[:, :0], v_cache[:, :0], table, query_start, seq_lens, *args)
+    with pytest.raises(RuntimeError, match="query must be on the CPU|Meta"):  # (the dispatcher may refuse first)
+        run_attention(kernels, q.to("meta"), k_cache, v_cache, table, query_start, seq_lens, *args)
+    with pytest.raises(RuntimeError, match="too large"):
+        run_attention(kernels, q, k_cache, v_cache, table, query_start, seq_lens, 0.125, 0.0, 2**40)
 
 
 # ---- layer ops ------------------------------------------------------------------------------

@@ -32,6 +32,16 @@ def test_greedy_is_argmax_and_takes_the_fast_path():
     assert out.logprobs is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_greedy_fast_path_takes_the_first_of_ties_in_the_model_dtype(dtype):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randint(-2, 3, (40, 300), generator=gen).to(dtype)  # many ties per row
+    logits[3, 7] = float("nan")  # a NaN wins, as in argmax
+    out = sampler(logits, build([SamplingParams(temperature=0)] * 40))
+    assert out.sampled_token_ids == logits.float().argmax(-1).tolist()
+    assert out.sampled_token_ids[3] == 7
+
+
 def test_input_logits_are_not_modified():
     logits = random_logits(2, 50)
     before = logits.clone()

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <climits>
 #include <type_traits>
 #include <vector>
 
@@ -84,6 +85,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, double scale, double softcap, int64_t window) {
   const auto dtype = query.scalar_type();
+  check_cpu(query, "query", dtype);
   check_cpu(out, "out", dtype);
   check_cpu(key_cache, "key_cache", dtype);
   check_cpu(value_cache, "value_cache", dtype);
@@ -95,6 +97,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
                   key_cache.strides() == value_cache.strides(),
               "key_cache and value_cache must be [blocks, block_size, kv_heads, head_dim] of one layout");
+  TORCH_CHECK(key_cache.size(1) > 0, "key_cache has a block size of 0");
   const int64_t heads = query.size(1), head_dim = query.size(2), kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim, "key_cache head_dim ", key_cache.size(3), " != query's ", head_dim);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads are not a multiple of ", kv_heads,
@@ -107,6 +110,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(query_start_loc.numel() == reqs + 1 && block_table.size(0) >= reqs,
               "query_start_loc needs reqs + 1 entries and block_table a row per request");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  TORCH_CHECK(window <= INT32_MAX, "window ", window, " is too large");
   const int32_t* qs = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
@@ -144,6 +148,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping) {
   const auto dtype = key_cache.scalar_type();
+  check_cpu(key_cache, "key_cache", dtype);
   check_cpu(key, "key", dtype);
   check_cpu(value, "value", dtype);
   check_cpu(value_cache, "value_cache", dtype);
@@ -177,6 +182,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps, int64_t kind) {
   const auto dtype = input.scalar_type();
+  check_cpu(input, "input", dtype);
   check_cpu(out, "out", dtype);
   check_cpu(weight, "weight", dtype);
   const int64_t n = input.size(-1);
@@ -197,6 +203,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
 
 void add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps, int64_t kind) {
   const auto dtype = input.scalar_type();
+  check_cpu(input, "input", dtype);
   check_cpu(residual, "residual", dtype);
   check_cpu(weight, "weight", dtype);
   const int64_t n = input.size(-1);
@@ -216,6 +223,7 @@ void add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& wei
 }
 
 void act_and_mul(at::Tensor& out, const at::Tensor& input, int64_t act) {
+  check_cpu(input, "input", input.scalar_type());
   check_cpu(out, "out", input.scalar_type());
   const int64_t n = out.size(-1);
   check_rows(input, "input", 2 * n);
@@ -236,6 +244,7 @@ void act_and_mul(at::Tensor& out, const at::Tensor& input, int64_t act) {
 // stride), cos and signed sin [tokens, rotary_dim]: the first rotary_dim dims of every head turn.
 void rope(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at::Tensor& ssin) {
   const auto dtype = query.scalar_type();
+  check_cpu(query, "query", dtype);
   check_cpu(key, "key", dtype);
   check_cpu(cos, "cos", dtype);
   check_cpu(ssin, "sin", dtype);

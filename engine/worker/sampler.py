@@ -207,8 +207,10 @@ class Sampler:
         if (meta.all_greedy and meta.grammar is None and meta.banned_index is None and meta.penalties is None
                 and meta.max_num_logprobs is None):
             # Widening to float32 is exact and monotone, so the argmax (first of ties) is the same
-            # in the model's dtype: no [rows, vocab] float copy for a plain greedy batch.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+            # in the model's dtype: no [rows, vocab] float copy for a plain greedy batch. max()'s
+            # indices are argmax's (first of ties, NaN wins) and its CPU kernel is vectorized for
+            # bf16/fp16, where argmax's is not (2.7 of a 32 ms bf16 decode step, 32 rows).
+            return SamplerOutput(logits.max(dim=-1).indices.tolist(), None)
         raw = logits.float()
         logits = raw
         if meta.grammar is not None:
