@@ -1,6 +1,7 @@
 """Engine configuration: plain dataclasses, validated on creation."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -83,8 +84,8 @@ def check_kv_extra(extra: object) -> None:
         raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(KV_EXTRA_TYPES)}")
     for key, value in extra.items():
         types = KV_EXTRA_TYPES[key]
-        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)) or \
-                (bool not in types and value <= 0):
+        if not isinstance(value, types) or (bool not in types and (isinstance(value, bool) or
+                                                                    not math.isfinite(value) or value <= 0)):
             kind = "true or false" if bool in types else "a positive number"
             raise ValueError(f"kv_connector_extra_config.{key} must be {kind}, got {value!r}")
 
@@ -122,7 +123,9 @@ class KVTransferConfig:
         """vLLM's kv_transfer_config dict (``kv_connector_extra_config`` is our ``extra``);
         a key this engine does not know is refused by name."""
         raw = dict(raw)
-        extra = raw.pop("kv_connector_extra_config", None) or raw.pop("extra", None) or {}
+        extra = raw.pop("kv_connector_extra_config", None)
+        extra = raw.pop("extra", None) if extra is None else extra
+        extra = {} if extra is None else extra  # anything but an object is refused by check_kv_extra
         known = {"kv_connector", "kv_role", "kv_ip", "kv_port", "kv_load_failure_policy"}
         unknown = set(raw) - known
         if unknown:

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.ipc import (IPC_DIR_PREFIX, AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats,
                         FromCore, Outputs, Shutdown, StopSequences, WithdrawOffers, remove_ipc_dir,
                         remove_stale_ipc_dirs)
@@ -227,7 +228,11 @@ class AsyncEngineClient:
         except (OverflowError, TypeError, ValueError) as exc:  # validated upstream; a last line of defence
             raise EngineRequestError(400, f"the request cannot be passed to the engine: {exc}") from None
         # Registered before the core can answer: its first outputs may come with the ack.
-        self.processor.add_request(request_id, None, prompt_token_ids, params, OutputKind.DELTA, first_tokens_shown)
+        try:
+            self.processor.add_request(request_id, None, prompt_token_ids, params, OutputKind.DELTA,
+                                       first_tokens_shown)
+        except InvalidRequestError as exc:  # its id collides with a live request's sequence
+            raise EngineRequestError(400, str(exc), exc.param) from None
         stream = RequestStream(self, request_id)
         ack: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queues[request_id] = stream.queue

@@ -284,15 +284,16 @@ class EngineCore:
     def discard_request(self, request_id: str, n: int) -> None:
         """Undo what an add_request that raised left behind: its sequences are aborted and
         nothing of it goes out (it was refused, so no one waits for it)."""
-        seq_ids = [sequence_id(request_id, i, n) for i in range(n)]
-        # By sequence id, never through abort_request: a sequence id can also be another
-        # request's id ("0_x" of x, or a client's own "0_x"), and admission checked that these
-        # sequence ids were free, so each one is this request's.
+        # Only the sequences registered for this request, never through abort_request: a
+        # sequence id can also be another request's ("0_x" of x, or a client's own "0_x"), and
+        # the failure may have come before admission checked that they were free.
+        candidates = [sequence_id(request_id, i, n) for i in range(n)]
+        others = {s for s in candidates if self._request_of.get(s, request_id) != request_id}
+        seq_ids = [s for s in candidates if self._request_of.get(s) == request_id]
         for seq_id in seq_ids:
-            self._end_sequence(seq_id)
+            self._end_sequence(seq_id)  # (the last one drops the request's entry)
         self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-        self._requests.pop(request_id, None)
-        self._pending = [o for o in self._pending if o.req_id not in seq_ids]
+        self._pending = [o for o in self._pending if o.req_id not in candidates or o.req_id in others]
 
     def stop_sequences(self, seq_ids: list[str]) -> None:
         """The front end found a stop string: these sequences end (stopped, not aborted: a tier

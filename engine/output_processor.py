@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.kv_transfer.first_token import final_params
 from engine.kv_transfer.params import KVTransferParams
 from engine.kv_transfer.secret import KVSecret
@@ -98,7 +99,14 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     kind: OutputKind, first_tokens_shown: bool = False) -> None:
         """``first_tokens_shown``: the client was already shown the first tokens a prefill
-        instance sampled (as far as the stop strings allowed), so the deltas go on after them."""
+        instance sampled (as far as the stop strings allowed), so the deltas go on after them.
+        Raises InvalidRequestError when the id, or one of its sequence ids, is in use (a client's
+        id "0_x" is sequence 0 of "x" with n > 1): nothing is registered then."""
+        seq_ids = [sequence_id(request_id, index, params.n) for index in range(params.n)]
+        taken = [s for s in [request_id, *seq_ids] if s in self._requests or s in self._request_of]
+        if taken:
+            raise InvalidRequestError(f"request id {request_id!r} is in use (as {taken[0]!r}); use a new id",
+                                      "request_id")
         sequences = {}  # built whole before anything is registered: a failure leaves nothing
         for index in range(params.n):
             seq_id = sequence_id(request_id, index, params.n)
@@ -183,7 +191,7 @@ class OutputProcessor:
             # its first token was not shown (the proxy shows only those that go on, as the
             # prefill's answer left them open): it goes out whole from here.
             seq.detok.next_delta(False)
-            seq.logprob_chars += _sampled_chars(seq.new_logprobs, out.new_token_ids)
+            seq.logprob_chars += _sampled_chars(seq.new_logprobs)
             seq.new_logprobs.clear()
         if stops:
             # A stop string ends the sequence here (also when the same token reached max_tokens
@@ -225,7 +233,7 @@ class OutputProcessor:
                 list(seq.new_logprobs) if delta and seq.logprobs is not None else seq.logprobs,
                 seq.cumulative_logprob, offset))
             if delta:
-                seq.logprob_chars += _sampled_chars(seq.new_logprobs, seq.new_token_ids)
+                seq.logprob_chars += _sampled_chars(seq.new_logprobs)
             seq.new_token_ids.clear()
             seq.new_logprobs.clear()
         kv = request.kv_transfer_params if finished else None
@@ -233,6 +241,7 @@ class OutputProcessor:
                              request.num_cached_tokens, kv, request.error, request.queue_time)
 
 
-def _sampled_chars(logprobs: list[dict[int, Logprob]], token_ids: list[int]) -> int:
-    """Characters of the sampled tokens' strings in these logprob entries (one per token)."""
-    return sum(len(entries[t].decoded_token) for entries, t in zip(logprobs, token_ids) if t in entries)
+def _sampled_chars(logprobs: list[dict[int, Logprob]]) -> int:
+    """Characters of the sampled tokens' strings in these logprob entries (one per token; each
+    entry's first item is its sampled token, as the engine sends them)."""
+    return sum(len(next(iter(entries.values())).decoded_token) for entries in logprobs if entries)

@@ -289,7 +289,7 @@ class ChatCompletionRequest(_SamplingFields):
     _INERT_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, False)}
 
     def refused_field(self) -> tuple[str, str] | None:
-        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM answer
+        if self.top_logprobs is not None and not self.logprobs:  # as OpenAI and vLLM answer
             return "top_logprobs", "top_logprobs: needs logprobs set to true"
         return super().refused_field()
 

@@ -282,7 +282,7 @@ def test_kv_that_never_arrives(tiny_llama, colocated, policy):
                                       use_tqdm=False)[0].outputs[0].text
             assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
         else:
-            assert resp.status_code == 500 and "KV cache load failed" in resp.json()["error"]["message"]
+            assert resp.status_code == 502 and "KV cache load failed" in resp.json()["error"]["message"]
         assert srv.status()["kv_transfer"]["failures"] == {"timeout": 1}
         srv.wait_idle()
     finally:

@@ -128,14 +128,36 @@ def test_chat_content_parts(server):
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("/v1/completions", {"cache_salt": "tenant-a"}, "cache_salt"),
+    ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
+    ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
+    ("/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens"),
+    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/v1/completions", {"best_of": True}, "best_of"),  # True is not 1
 ])
 def test_fields_this_server_does_not_implement_are_refused_by_name(server, path, extra, field):
-    """Issue 27, item 7: accepted and ignored before (a 200 with neither echo nor suffix applied)."""
+    """Issue 27, item 7: accepted and ignored before (a 200 with neither echo nor suffix applied);
+    each is accepted at the value that asks for nothing."""
     body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     _error(_post(server, path, {**body, "max_tokens": 2, **extra}), 400, field)
-    inert = {"echo": False, "suffix": None, "best_of": 1, "prompt_logprobs": None, "use_beam_search": False,
-             "tools": [], "tool_choice": "none"}[field]
-    assert _post(server, path, {**body, "max_tokens": 2, field: inert}).status_code == 200
+    inert = {"echo": False, "suffix": None, "best_of": 1.0, "prompt_logprobs": None, "use_beam_search": False,
+             "tools": [], "tool_choice": "none", "chat_template_kwargs": {}, "cache_salt": None,
+             "return_token_ids": False, "add_special_tokens": path == "/v1/completions",
+             "stream_options.continuous_usage_stats": None}[field]
+    if field == "stream_options.continuous_usage_stats":
+        assert _post(server, path, {**body, "max_tokens": 2, "stream": True,
+                                    "stream_options": {"continuous_usage_stats": False}}).status_code == 200
+    else:
+        assert _post(server, path, {**body, "max_tokens": 2, field: inert}).status_code == 200
+
+
+def test_top_logprobs_needs_logprobs(server):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for top in (0, 2):
+        _error(_post(server, "/v1/chat/completions", {**chat, "top_logprobs": top}), 400, "top_logprobs")
+    assert _post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}).status_code == 200
 
 
 @pytest.mark.parametrize("body, param", [

@@ -101,22 +101,30 @@ class _OlderParams(msgspec.Struct, omit_defaults=True):
     signature: str | None = None
 
 
-def test_params_signed_by_another_release_verify_across_an_upgrade():
-    """Issue 27, item 9: the signature covers a canonical form (sorted keys, defaults left out,
-    versioned), so an instance of an older or newer release verifies hand-offs during a rolling
-    upgrade; the previous release's own form (the struct's JSON) still verifies too."""
+def _previous_release_verifies(params: KVTransferParams, secret: KVSecret) -> bool:
+    """The previous release's check: an HMAC over the struct's JSON, re-encoded in field order."""
+    unsigned = msgspec.structs.replace(params, signature=None)
+    return secret.verify("params", bytes.fromhex(params.signature), msgspec.json.encode(unsigned))
+
+
+def test_params_verify_between_adjacent_releases():
+    """Issue 27, item 9, in two phases: this release signs what the previous one verifies, and
+    verifies both that and the canonical form (sorted keys, defaults left out, versioned) that
+    the next release will sign, whose field order and added fields may differ."""
     secret = KVSecret(SECRET)
-    older = _OlderParams(int(time.time()) + 60, "d" * 64, 40, "r", "tcp://10.0.0.1:14579", True)
-    older = msgspec.structs.replace(older, signature=secret.mac("params", signed_bytes(older)).hex())
-    wire = msgspec.json.encode(older)  # what the older prefill sends
-    check_kv_transfer_params_signature(msgspec.json.decode(wire, type=KVTransferParams), secret)
-    # The previous release signed the struct's JSON in field order: accepted as well.
-    current = KVTransferParams(do_remote_prefill=True, remote_kv_addr="tcp://10.0.0.1:14579", remote_request_id="r",
-                               num_tokens=40, token_digest="d" * 64, expires_at=int(time.time()) + 60)
-    legacy = msgspec.structs.replace(current, signature=secret.mac("params", msgspec.json.encode(current)).hex())
-    check_kv_transfer_params_signature(legacy, secret)
+    current = sign_kv_transfer_params(KVTransferParams(
+        do_remote_prefill=True, remote_kv_addr="tcp://10.0.0.1:14579", remote_request_id="r", num_tokens=40,
+        token_digest="d" * 64, first_token_ids=[7]), secret, ttl_s=60)
+    assert _previous_release_verifies(msgspec.json.decode(msgspec.json.encode(current), type=KVTransferParams),
+                                      secret)
+    # A release that orders its fields otherwise and lacks (or adds, at their defaults) some,
+    # signing the canonical form:
+    other = _OlderParams(int(time.time()) + 60, "d" * 64, 40, "r", "tcp://10.0.0.1:14579", True)
+    other = msgspec.structs.replace(other, signature=secret.mac("params", signed_bytes(other)).hex())
+    received = msgspec.json.decode(msgspec.json.encode(other), type=KVTransferParams)
+    check_kv_transfer_params_signature(received, secret)
     # Changed after signing, in either form: refused.
-    for signed in (msgspec.json.decode(wire, type=KVTransferParams), legacy):
+    for signed in (received, current):
         with pytest.raises(KVTransferParamsError):
             check_kv_transfer_params_signature(msgspec.structs.replace(signed, num_tokens=41), secret)
 

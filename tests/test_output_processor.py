@@ -152,3 +152,34 @@ def test_stop_strings_end_sequences_in_the_core_for_a_real_engine(tiny_llama):
     assert done[0].outputs[0].finish_reason == "stop" and stop not in done[0].outputs[0].text
     assert not engine.scheduler.requests  # stopped in the core in the same step
     assert_engine_idle(llm)
+
+
+def test_a_sequence_id_in_use_refuses_the_request_that_would_take_it(tokenizer):
+    """A client's id "0_v" is sequence 0 of "v" with n=2: whichever comes second is refused
+    before anything is registered, so the first one's outputs keep reaching it."""
+    from engine.errors import InvalidRequestError
+    for first, second in ((("0_v", 1), ("v", 2)), (("v", 2), ("0_v", 1))):
+        processor = OutputProcessor(tokenizer)
+        processor.add_request(first[0], None, [5, 6], SamplingParams(n=first[1], max_tokens=2), OutputKind.FINAL_ONLY)
+        with pytest.raises(InvalidRequestError, match="in use"):
+            processor.add_request(second[0], None, [5, 6], SamplingParams(n=second[1], max_tokens=2),
+                                  OutputKind.FINAL_ONLY)
+        seqs = ["0_v"] if first[1] == 1 else ["0_v", "1_v"]
+        outs = processor.process([EngineCoreOutput(s, [100, 101], finish_reason="length") for s in seqs]).outputs
+        assert [o.request_id for o in outs] == [first[0]] and processor.num_tracked_requests() == 0
+
+
+def test_logprob_offsets_continue_past_shown_first_tokens_in_any_step_split(tokenizer):
+    """On a decode instance the shown first token and the next one may come in one step (a
+    prompt fully cached there): the offsets still continue past the first token's string."""
+    tokens = ids(tokenizer, " Paris is big")
+    strings = [tokenizer.decode([t]) for t in tokens]
+    entries = [[(t, -0.5, 1)] for t in tokens]
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("d", None, [5, 6], SamplingParams(max_tokens=10, logprobs=0), OutputKind.DELTA,
+                          first_tokens_shown=True)
+    (out,) = processor.process([EngineCoreOutput("d", tokens[:1], [entries[0]], from_prefill=True),
+                                EngineCoreOutput("d", tokens[1:2], [entries[1]])]).outputs
+    assert out.outputs[0].text_offset == len(strings[0]) and list(out.outputs[0].logprobs[0]) == [tokens[1]]
+    (out,) = processor.process([EngineCoreOutput("d", tokens[2:3], [entries[2]])]).outputs
+    assert out.outputs[0].text_offset == len(strings[0]) + len(strings[1])

@@ -113,6 +113,7 @@ def test_n2_seed_and_stop_strings(client):
     resp = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=8, n=2, temperature=1.0, seed=5,
                                      extra_body={"ignore_eos": True})
     assert sorted(c.index for c in resp.choices) == [0, 1]
+    assert resp.choices[0].text != resp.choices[1].text  # two samples, not one answer twice
     again = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=8, n=2, temperature=1.0, seed=5,
                                       extra_body={"ignore_eos": True})
     assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == \
@@ -129,7 +130,8 @@ def test_logprobs_and_cached_tokens(client):
     prompt = " ".join(["shared prefix"] * 30)
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
     lp = first.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(len(t) >= 2 for t in lp.top_logprobs)
+    # Greedy: the sampled token is the best one, so exactly k entries each.
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(len(t) == 2 for t in lp.top_logprobs)
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,

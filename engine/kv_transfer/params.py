@@ -129,19 +129,23 @@ def sign_kv_transfer_params(params: KVTransferParams, secret: KVSecret | None, t
     return sign_until(params, secret, int(time.time() + ttl_s + CLOCK_SKEW_S))
 
 
+# Signatures cover one of two forms. Both leave out the fields at their defaults, so a field a
+# newer release adds (at its default) changes neither. This release signs the form the
+# previous one verifies (the struct's JSON in field order) and verifies both; the next release
+# signs the canonical form (keys sorted, versioned), which no longer depends on field order.
+# Two phases, so that instances of adjacent releases verify each other's hand-offs.
+
+
 def signed_bytes(params: msgspec.Struct) -> bytes:
-    """What a signature covers: a versioned canonical form — the fields that differ from their
-    defaults (the signature itself left out), keys sorted. Neither the field order of the
-    struct nor a field a newer version adds with a default (absent from an older instance's
-    params) changes it, so hand-offs verify across a rolling upgrade."""
+    """The canonical form: the fields that differ from their defaults (the signature left out),
+    keys sorted, behind a version tag."""
     fields = msgspec.to_builtins(params)
     fields.pop("signature", None)
     return b"kv-params-v2\0" + msgspec.json.encode(fields, order="sorted")
 
 
-def _legacy_signed_bytes(params: KVTransferParams) -> bytes:
-    """The form signed before signed_bytes (the struct's JSON in field order): still verified,
-    so instances of the previous release keep handing off during an upgrade."""
+def legacy_signed_bytes(params: msgspec.Struct) -> bytes:
+    """The form this and the previous release sign: the struct's JSON in field order."""
     return msgspec.json.encode(msgspec.structs.replace(params, signature=None))
 
 
@@ -150,7 +154,7 @@ def sign_until(params: KVTransferParams, secret: KVSecret | None, expires_at: in
     unsigned = msgspec.structs.replace(params, expires_at=expires_at, signature=None)
     if secret is None:
         return unsigned
-    return msgspec.structs.replace(unsigned, signature=secret.mac("params", signed_bytes(unsigned)).hex())
+    return msgspec.structs.replace(unsigned, signature=secret.mac("params", legacy_signed_bytes(unsigned)).hex())
 
 
 def check_kv_transfer_params_signature(params: KVTransferParams | None, secret: KVSecret | None) -> None:
@@ -167,7 +171,7 @@ def check_kv_transfer_params_signature(params: KVTransferParams | None, secret: 
     except ValueError:
         tag = b""
     if not (secret.verify("params", tag, signed_bytes(params)) or
-            secret.verify("params", tag, _legacy_signed_bytes(params))):
+            secret.verify("params", tag, legacy_signed_bytes(params))):
         raise KVTransferParamsError(f"{field} does not verify: these kv_transfer_params were not issued by this "
                                     "deployment, or were changed", field)
     if params.expires_at < time.time():

