@@ -1,0 +1,56 @@
+"""Where a decode step's time goes: torch.profiler over decode steps of a batch of sequences.
+
+    python benchmarks/profile_step.py [--dtype bfloat16|float32] [--seqs 32] [--prompt-len 128]
+                                      [--steps 10] [--attention-backend auto|cpu|torch]
+
+Prints the profiler's table (self CPU time per op) and the wall time of a decode step measured
+without the profiler. Host time (Python, metadata, dispatch) is the wall time minus the ops'.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args()
+
+    llm = LLM(dtype=args.dtype, enable_prefix_caching=False, attention_backend=args.attention_backend)
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 20, ignore_eos=True)
+    for i in range(args.seqs):
+        engine.add_request(f"r{i}", [rng.randrange(100, 49000) for _ in range(args.prompt_len)], params)
+    warm = 0
+    while engine.last_num_scheduled_tokens != args.seqs or warm < 10:  # past the prefills, warmed up
+        engine.step()
+        warm += 1
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    print(f"decode step ({args.seqs} sequences, ~{args.prompt_len + 10}-token contexts, {args.dtype}): "
+          f"{(time.perf_counter() - start) / args.steps * 1e3:.1f} ms wall")
+    engine.abort_request([f"r{i}" for i in range(args.seqs)])
+
+
+if __name__ == "__main__":
+    main()
