@@ -21,8 +21,9 @@ from engine.core_lending import core_lending
 from engine.kv_events import KVEventPublisher
 from engine.errors import InvalidRequestError, PrefillElsewhere
 from engine.engine_core import EngineCore
-from engine.ipc import (Ack, AbortRequests, AddRequest, EngineDead, EngineInfo, EngineStats, Outputs, Shutdown,
-                        StopSequences, TierStats, ToCore, WithdrawOffers, remove_ipc_dir)
+from engine.kv_transfer.params import KVTransferParamsError
+from engine.ipc import (Ack, AbortRequests, AddRequest, EngineDead, EngineInfo, EngineStats, Outputs, ReleaseOffer,
+                        Shutdown, StopSequences, TierStats, ToCore, WithdrawOffers, remove_ipc_dir)
 from engine.outputs import EngineCoreOutput
 
 logger = logging.getLogger("engine.core")
@@ -171,6 +172,11 @@ def _loop(core: EngineCoreProc, pull, push, encoder, decoder, parent_pid: int) -
                 core.engine.stop_sequences(msg.sequence_ids)
             elif isinstance(msg, WithdrawOffers):
                 core.engine.withdraw_offers(msg.sequence_ids)
+            elif isinstance(msg, ReleaseOffer):
+                try:
+                    core.engine.release_offer(msg.kv_transfer_params)
+                except KVTransferParamsError as exc:  # the API server checked; never from it
+                    logger.warning("refused a KV release: %s", exc)
             elif isinstance(msg, Shutdown):
                 logger.info("engine core shutting down")
                 return

@@ -22,7 +22,7 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.ipc import (IPC_DIR_PREFIX, AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats,
-                        FromCore, Outputs, Shutdown, StopSequences, WithdrawOffers, remove_ipc_dir,
+                        FromCore, Outputs, ReleaseOffer, Shutdown, StopSequences, WithdrawOffers, remove_ipc_dir,
                         remove_stale_ipc_dirs)
 from engine.kv_transfer.params import KVTransferParams
 from engine.output_processor import OutputKind, OutputProcessor
@@ -253,6 +253,12 @@ class AsyncEngineClient:
         self._queues.pop(request_id, None)
         self._acks.pop(request_id, None)
         self.processor.abort(request_id)
+
+    def release_offer(self, params: KVTransferParams) -> None:
+        """Frees a hand-off's KV that its router will not use (the core checks the signature
+        again before it acts)."""
+        if self.dead is None:
+            self._push.send(self._encoder.encode(ReleaseOffer(params)))
 
     def abort(self, request_ids: list[str]) -> None:
         # Not awaited: this runs in `finally` blocks of cancelled tasks; zmq queues the frame.

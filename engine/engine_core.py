@@ -302,6 +302,18 @@ class EngineCore:
             self._end_sequence(seq_id)
         self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_STOPPED)
 
+    def release_offer(self, params: KVTransferParams) -> bool:
+        """Frees the KV a hand-off of this instance offers, on the word of whoever holds its
+        signed parameters (a router that will not use them). Returns whether an offer was
+        withdrawn; raises KVTransferParamsError for parameters this instance did not sign."""
+        check_kv_transfer_params_signature(params, self.config.kv_secret)
+        if not params.do_remote_prefill or params.remote_engine_id != self.engine_id:
+            return False
+        seq_id = params.remote_request_id
+        held = seq_id in self.scheduler.held
+        self.scheduler.withdraw_kv(seq_id)
+        return held
+
     def withdraw_offers(self, seq_ids: list[str]) -> None:
         """The front end found a prefill instance's answer final (stop strings in every first
         token): the KV it offered is freed as soon as the worker lets go."""

@@ -97,7 +97,13 @@ class WithdrawOffers(msgspec.Struct, tag="withdraw"):
     sequence_ids: list[str]
 
 
-ToCore = AddRequest | AbortRequests | StopSequences | WithdrawOffers | Shutdown
+class ReleaseOffer(msgspec.Struct, tag="release"):
+    """A router will not use a hand-off it was given (its client left, or no decode instance
+    took it): the KV these signed parameters offer is freed now, not when the lease ends."""
+    kv_transfer_params: KVTransferParams
+
+
+ToCore = AddRequest | AbortRequests | StopSequences | WithdrawOffers | ReleaseOffer | Shutdown
 
 
 # ---- core -> server -------------------------------------------------------------------

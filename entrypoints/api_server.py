@@ -271,6 +271,23 @@ class OpenAIServer:
         return await _until_disconnect(raw, response.collect(streams), streams,
                                        lambda: response._finish_metrics(aborted=True))
 
+    async def release_kv(self, raw: Request) -> Response:
+        """POST /v1/kv/release {"kv_transfer_params": ...}: a router will not use a hand-off this
+        prefill instance answered (its client left, or no decode instance took it); the KV it
+        holds is freed now instead of when the lease ends. Only parameters this deployment
+        signed are acted on (no secret: this host only, as for the KV plane itself)."""
+        data = await self._read(raw)
+        try:
+            params = parse_kv_transfer_params(data.get("kv_transfer_params"))
+            if params is None or not params.do_remote_prefill:
+                raise KVTransferParamsError("kv_transfer_params must be a prefill instance's hand-off "
+                                            "(do_remote_prefill)", "kv_transfer_params")
+            check_kv_transfer_params_signature(params, self.client.config.kv_secret)
+        except KVTransferParamsError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        self.client.release_offer(params)
+        return Response(status_code=202)
+
     async def tokenize(self, raw: Request) -> dict:
         """vLLM's /tokenize: the token ids this server would run for a completion's one prompt
         or a chat's messages (its chat template applied); a KV-aware router hashes them."""
@@ -545,6 +562,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         return await server.chat_completions(raw)
+
+    @app.post("/v1/kv/release")
+    async def release_kv(raw: Request):
+        return await server.release_kv(raw)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):

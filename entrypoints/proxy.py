@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -114,6 +115,7 @@ class Proxy:
         self._rr = itertools.count()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
                                       limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        self._background: set[asyncio.Task] = set()  # KV releases on their way (see release)
 
     def ordered(self, pool: list[Upstream]) -> list[Upstream]:
         """Candidates in the order to try them: least loaded first (ties round robin)."""
@@ -186,9 +188,9 @@ class Proxy:
             return error_response(504, f"{role} {upstream.url} did not answer within {self.timeout:.0f}s")
         return error_response(502, f"{role} {upstream.url} failed: {type(exc).__name__}: {exc}")
 
-    async def prefill(self, path: str, body: dict, headers: dict) -> dict | JSONResponse | None:
-        """Run the prompt on a prefill instance; returns its answer (with kv_transfer_params),
-        an error, or None when no prefill instance could be reached."""
+    async def prefill(self, path: str, body: dict, headers: dict) -> tuple[dict, Upstream] | JSONResponse | None:
+        """Run the prompt on a prefill instance; returns its answer (with kv_transfer_params) and
+        the instance, an error, or None when no prefill instance could be reached."""
         p_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         p_body.pop("stream_options", None)
         for upstream in self.ordered(self.prefills):
@@ -208,8 +210,23 @@ class Proxy:
             if not answer.get("kv_transfer_params"):
                 return error_response(502, f"prefill {upstream.url} returned no kv_transfer_params "
                                            "(is it running with --role prefill?)")
-            return answer
+            return answer, upstream
         return None
+
+    def release(self, prefill: Upstream, params: dict, headers: dict) -> None:
+        """Tells a prefill instance that its hand-off will not be used, so it frees that KV now
+        rather than holding it for the whole lease (not awaited: nothing waits for it)."""
+        async def post() -> None:
+            try:
+                resp = await self.http.post(f"{prefill.url}/v1/kv/release", json={"kv_transfer_params": params},
+                                            headers=headers, timeout=5)
+                if resp.status_code != 202:
+                    logger.warning("prefill %s refused a KV release: %s", prefill.url, resp.text[:200])
+            except httpx.HTTPError as exc:  # it frees the KV when the lease ends anyway
+                logger.warning("KV release to prefill %s failed: %s", prefill.url, exc)
+        task = asyncio.ensure_future(post())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _decided(self, path: str, reason: str, request_id: str) -> None:
         self.decisions[path, reason] += 1
@@ -249,6 +266,7 @@ class Proxy:
             return await self._local_or_502(raw, path, body, headers, prompt)
         if isinstance(answer, Response):
             return answer
+        answer, prefilled_on = answer
         self._decided("remote", reason, request_id)
         logger.info("%s prefilled in %.3fs", request_id, time.monotonic() - started)
         params = answer.pop("kv_transfer_params")
@@ -262,12 +280,16 @@ class Proxy:
             return JSONResponse(answer, headers={"X-Request-Id": request_id})
         d_body = {**body, "kv_transfer_params": params}
         upstream = self.pick(self.decodes, prompt)
+        unused = functools.partial(self.release, prefilled_on, params, headers)  # D never took the hand-off
         if body.get("stream"):
             # The client has the first tokens: D's stream goes on after them.
             headers = {**headers, FIRST_TOKENS_SHOWN: "1"}
-            return await self._stream_decode(upstream, path, d_body, headers, request_id, first)
+            return await self._stream_decode(upstream, path, d_body, headers, request_id, first, unused)
         answer = await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
-        return answer.response if isinstance(answer, _Unreachable) else answer
+        answer = answer.response if isinstance(answer, _Unreachable) else answer
+        if answer is None or answer.status_code != 200:
+            unused()
+        return answer
 
     async def _local_or_502(self, raw: Request, path: str, body: dict, headers: dict,
                             prompt: PromptBlocks | None) -> Response:
@@ -362,13 +384,18 @@ class Proxy:
             await opened.close()
 
     async def _stream_decode(self, upstream: Upstream, path: str, body: dict, headers: dict,
-                             request_id: str, first: "FirstTokens") -> Response:
+                             request_id: str, first: "FirstTokens", unused) -> Response:
         async def relay():
-            # The first tokens go out before D is even asked.
-            if first.chat:
-                yield first.role_chunk()
-            yield first.continuing_chunk()
-            opened = await self._open_stream(upstream, path, body, headers)
+            opened = None
+            try:
+                # The first tokens go out before D is even asked.
+                if first.chat:
+                    yield first.role_chunk()
+                yield first.continuing_chunk()
+                opened = await self._open_stream(upstream, path, body, headers)
+            finally:
+                if not isinstance(opened, _OpenStream):  # D never took the hand-off, or the client left first
+                    unused()
             if not isinstance(opened, _OpenStream):
                 error = opened.response if isinstance(opened, _Unreachable) else opened
                 yield _error_event(error or error_response(502, f"decode {upstream.url} declined the request"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 import uuid
 
 import httpx
@@ -213,16 +214,31 @@ def test_prefill_killed_then_restarted_on_the_same_address(tiny_llama, expected)
 
 
 def test_decode_killed_after_prefill(tiny_llama):
-    """FAULTS 14: the proxy answers an error within its deadline, and P frees the KV it held
-    for the dead decode when the lease ends."""
+    """FAULTS 14: the proxy answers an error within its deadline, and (issue 27, item 6) tells P
+    at once that no decode took the hand-off: P frees the KV in about a second, not after its
+    30 s lease, streamed or not. A release P did not sign is refused and frees nothing."""
     from tests.disagg_utils import Disagg
-    cluster = Disagg(str(tiny_llama), *ARGS, prefill_args=("--kv-lease-s", "2"))
+    cluster = Disagg(str(tiny_llama), *ARGS)  # the default lease: 30 s
     try:
         cluster.decode.kill()
         resp = httpx.post(f"{cluster.url}/v1/completions", timeout=30,
                           json={"prompt": PROMPT, "max_tokens": 4})
         assert resp.status_code == 502 and resp.json()["error"]["message"]
-        cluster.prefill.wait_idle(timeout=10)
+        cluster.prefill.wait_idle(timeout=5)
+        resp = httpx.post(f"{cluster.url}/v1/completions", timeout=30,
+                          json={"prompt": PROMPT[:-1], "max_tokens": 4, "stream": True})
+        assert resp.status_code == 200 and '"code":502' in resp.text  # the first tokens, then the error
+        cluster.prefill.wait_idle(timeout=5)
+        # A hand-off P holds, and a release for it with a changed field: refused, still held.
+        params = _prefill(cluster.prefill, None)
+        forged = {**params, "num_tokens": params["num_tokens"] - 1}
+        resp = httpx.post(f"{cluster.prefill.url}/v1/kv/release", json={"kv_transfer_params": forged}, timeout=10)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params.signature"
+        time.sleep(0.5)
+        assert cluster.prefill.status()["kv_transfer"]["blocks_held"] > 0
+        resp = httpx.post(f"{cluster.prefill.url}/v1/kv/release", json={"kv_transfer_params": params}, timeout=10)
+        assert resp.status_code == 202
+        cluster.prefill.wait_idle(timeout=5)
     finally:
         cluster.proxy.stop()
         cluster.prefill.stop()
