@@ -733,3 +733,24 @@ def test_a_fresh_reader_loads_every_whole_block_before_the_last_token(tiny_llama
         assert out.outputs[0].token_ids == reference(prompt)
     assert_engine_idle(reader)
     reader.shutdown()
+
+
+def test_the_configured_tiers_are_in_the_stats_when_the_engine_is_ready(tiny_llama, tmp_path):
+    """Issue 27, item 8: a server is ready when its client's start() returns; the stats it shows
+    from then on must already name every configured tier (they used to arrive with the core's
+    first stats message, after /status could answer without them). Read before the client's
+    reader task has run once, so no later message can make this pass."""
+    import asyncio
+
+    from engine.config import EngineConfig
+    from engine.core_client import AsyncEngineClient
+
+    async def ready_stats():
+        client = AsyncEngineClient(EngineConfig(model=str(tiny_llama), num_blocks=32, kv_chunk_tokens=32,
+                                                kv_store=f"cpu:64MiB,disk:{tmp_path}/kv:1GiB"))
+        await client.start(timeout=120)
+        tiers = set(client.stats.kv_store)  # no await between: only the ready message was read
+        await client.shutdown()
+        return tiers
+
+    assert asyncio.run(ready_stats()) == {"cpu", "disk"}
