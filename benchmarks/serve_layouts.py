@@ -93,6 +93,11 @@ def run_client(client: str, url: str, model_dir: str, rate: float, num_prompts: 
         return asyncio.run(our_client.main_async(args))
 
 
+def median_by_throughput(runs: list[dict]) -> dict:
+    """The round with the median output throughput (one of the rounds, not a blend)."""
+    return sorted(runs, key=lambda s: s["output_throughput"])[len(runs) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -139,8 +144,7 @@ def main() -> None:
             layout.stop()
 
     def median_round(name: str, rate: float) -> dict:
-        runs = sorted(results[name, rate], key=lambda s: s["output_throughput"])
-        return runs[len(runs) // 2]
+        return median_by_throughput(results[name, rate])
 
     print("\n| req/s | layout | TTFT median / p99 ms | ITL median / p99 ms | TPOT median ms | output tok/s |")
     print("|---|---|---|---|---|---|")

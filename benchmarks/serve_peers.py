@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from serve_layouts import KEYS, VLLM_PYTHON, run_client  # noqa: E402
+from serve_layouts import KEYS, VLLM_PYTHON, median_by_throughput, run_client  # noqa: E402
 from entrypoints.launcher import wait_healthy  # noqa: E402
 from tests.server_utils import free_port  # noqa: E402
 
@@ -108,8 +108,7 @@ def main() -> None:
             server.stop()
 
     def median(name: str, rate: float) -> dict:
-        runs = sorted(results[name, rate], key=lambda s: s["output_throughput"])
-        return runs[len(runs) // 2]
+        return median_by_throughput(results[name, rate])
 
     print("\n| req/s | server | TTFT median / p99 ms | TPOT median ms | ITL p99 ms | output tok/s |")
     print("|---|---|---|---|---|---|")
