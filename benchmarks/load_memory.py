@@ -87,8 +87,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from engine.worker.loader import resolve_model
-    source = Path(args.model) if args.model else resolve_model(None)
+    from benchmarks.float_model import default_float_checkpoint
+    source = Path(args.model) if args.model else default_float_checkpoint()
     with tempfile.TemporaryDirectory(prefix="bf16-") as tmp:
         param_bytes = bf16_copy(source, Path(tmp))
         runs: dict[str, list[dict]] = {"ours": [], "transformers": []}

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.workloads import LONG_WORKLOADS, WORKLOADS, make_workload  # noqa: E402
-from engine.worker.loader import resolve_model  # noqa: E402
+from benchmarks.float_model import default_float_checkpoint  # noqa: E402
 
 
 class Side:
@@ -112,7 +112,7 @@ def main() -> None:
 
     venv = subprocess.run(["bash", str(HERE / "peer_venv.sh"), args.vllm_venv], check=True,
                           stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
-    model = str(resolve_model(None))
+    model = str(default_float_checkpoint())  # vLLM reads float checkpoints only
     sides = [Side("ours", sys.executable, model, args.dtype, args.threads),
              Side("vllm", f"{venv}/bin/python", model, args.dtype, args.threads)]
     best = {(s.name, w): 0.0 for s in sides for w in args.workload}

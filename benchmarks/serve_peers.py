@@ -69,8 +69,8 @@ def main() -> None:
     if not VLLM_PYTHON.exists():
         subprocess.run(["bash", str(HERE / "peer_venv.sh")], check=True)
 
-    from engine.worker.loader import resolve_model
-    model_dir = str(resolve_model(None))
+    from benchmarks.float_model import default_float_checkpoint
+    model_dir = str(default_float_checkpoint())  # vLLM reads float checkpoints only
     cores = f"0-{len(os.sched_getaffinity(0)) - 1}"
     servers = [
         Server("engine", [sys.executable, "-m", "entrypoints.cli", "serve", "--dtype", args.dtype,

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 from benchmarks.workloads import make_workload  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from benchmarks.float_model import default_float_checkpoint  # noqa: E402
 from engine.worker.loader import resolve_model  # noqa: E402
 
 
@@ -56,7 +57,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    model_dir = resolve_model(args.model)
+    # transformers reads float checkpoints only: the default is the .gguf dequantized to float32.
+    model_dir = resolve_model(args.model) if args.model else default_float_checkpoint()
     llm = LLM(str(model_dir), kv_cache_memory="2GiB")
     vocab = llm.engine.vocab_size
     hf = None

@@ -153,6 +153,10 @@ class EngineConfig:
     download_dir: str | None = None  # the Hugging Face cache to use (default: HF_HOME's)
     tokenizer: str | None = None
     dtype: str = "auto"
+    # Weights kept quantized (engine/worker/quantized.py): None runs a .gguf's Q4_0/Q4_1/Q8_0
+    # tensors as stored and a float checkpoint in dtype; "int4" | "int8" quantize a float
+    # checkpoint at load; "gguf" (vLLM's name) asks for a .gguf as stored.
+    quantization: str | None = None
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -203,6 +207,8 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES.get(name, name)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "gguf", "int4", "int8"):
+            raise ValueError(f"quantization must be int4, int8 or gguf (a .gguf model), got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):

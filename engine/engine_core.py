@@ -42,6 +42,7 @@ from engine.request_ids import sequence_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.worker import loader
+from engine.worker.quantized import METHODS, QUANTIZER_VERSION
 from engine.worker.backends import KV_LAYOUT
 from engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine.worker.models import ModelConfig, model_config_from_hf
@@ -97,7 +98,10 @@ class EngineCore:
         # The KV layout is part of the fingerprint: peers and stores must agree on it byte for byte.
         # (Every attention backend shares it, so a CPU prefill and a flash-attn decode of the same
         # dtype are compatible.)
-        self.fingerprint = f"{loader.model_fingerprint(model_dir)}:{dtype}:bs{config.block_size}:{KV_LAYOUT}"
+        # So is quantization made at load (a .gguf's blocks are in its converted files, hashed).
+        quantized = f":{config.quantization}-v{QUANTIZER_VERSION}" if config.quantization in METHODS else ""
+        self.fingerprint = (f"{loader.model_fingerprint(model_dir)}{quantized}:{dtype}:bs{config.block_size}:"
+                            f"{KV_LAYOUT}")
         self.engine_id = uuid.uuid4().hex[:12]
         connector, connector_worker = None, NoOpConnectorWorker()
         if uses_p2p:

@@ -33,6 +33,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float", "half"],
                         help="weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with native bfloat16 "
                              "(AVX512-BF16 or AMX), float32 on other CPUs)")
+    parser.add_argument("--quantization", default=None, choices=["int4", "int8", "gguf"],
+                        help="keep weights quantized: int4 (group-wise, 32 per group, scale and minimum) or int8 "
+                             "(group-wise symmetric) quantize a float checkpoint at load; a .gguf's Q4_0, Q4_1 "
+                             "and Q8_0 tensors always run as stored (gguf: insist on a .gguf)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "flash_attn", "xformers"],
                         help="paged attention kernels (auto: the fastest installed for the device; cpu: the native "
@@ -67,7 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                dtype=args.dtype, device=args.device, seed=args.seed, kv_store=args.kv_store,
+                dtype=args.dtype, quantization=args.quantization, device=args.device, seed=args.seed, kv_store=args.kv_store,
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s,
                 kv_secret_file=args.kv_secret_file, cpu_cores=args.cpu_cores, num_threads=args.num_threads)

@@ -28,7 +28,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_arguments(kwargs, model)))
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_arguments(kwargs)))
         self._ids = itertools.count()
         # Stops the connector's threads and flushes pending KV store writes, at shutdown() or
         # when this object goes away (process exit included).

@@ -20,7 +20,7 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
-def _read_vllm_only(name: str, value: object, model: str | None) -> None:
+def _read_vllm_only(name: str, value: object) -> None:
     """Checks one of vLLM's arguments that has no EngineConfig field (raises if its value asks
     for something this engine does not do)."""
     if name in SINGLE_DEVICE:
@@ -30,23 +30,19 @@ def _read_vllm_only(name: str, value: object, model: str | None) -> None:
         # Every step runs eagerly here (no graph capture or torch.compile): True is what happens,
         # and False, vLLM's default, only allows graphs.
         _flag(name, value)
-    elif name == "trust_remote_code":
+    else:  # trust_remote_code
         # Models are this engine's own implementations: a checkpoint's code is never run, and the
         # flag only permits it.
         _flag(name, value)
-    else:  # quantization
-        if value != "gguf" or not str(model or "").endswith(".gguf"):
-            raise ValueError(f"quantization={value!r} is not supported: weights load in the engine's dtype "
-                             "(a .gguf model is read as quantization='gguf')")
 
 
-VLLM_ONLY = frozenset(SINGLE_DEVICE + ("enforce_eager", "trust_remote_code", "quantization"))
+VLLM_ONLY = frozenset(SINGLE_DEVICE + ("enforce_eager", "trust_remote_code"))
 # EngineConfig fields that only a served engine acts on (engine/core.py): refused offline.
 SERVER_ONLY = frozenset({"kv_events_config", "lend_cores_file", "borrow_cores_file"})
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig) if f.init) - {"model"} - SERVER_ONLY
 
 
-def engine_arguments(kwargs: dict, model: str | None = None) -> dict:
+def engine_arguments(kwargs: dict) -> dict:
     """The EngineConfig keyword arguments of an LLM(...) call's keyword arguments."""
     served = sorted(SERVER_ONLY & {name for name, value in kwargs.items() if value is not None})
     if served:
@@ -60,7 +56,7 @@ def engine_arguments(kwargs: dict, model: str | None = None) -> dict:
         if value is None:
             continue  # the default
         if name in VLLM_ONLY:
-            _read_vllm_only(name, value, model)
+            _read_vllm_only(name, value)
         else:
             out[name] = value
     if "gpu_memory_utilization" in out:

@@ -65,12 +65,33 @@ def tiny_llama(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=True)
 
 
+def hf_float32_model(model_dir: Path):
+    """transformers' model of a checkpoint, in float32. For a converted .gguf (whose quantized
+    blocks transformers cannot read) it is the .gguf itself, read and dequantized by transformers'
+    own GGUF reader (as from_pretrained(gguf_file=...) does, without needing accelerate)."""
+    import json
+    from transformers import AutoConfig, AutoModelForCausalLM
+    manifest = Path(model_dir) / "quantization.json"
+    if not manifest.is_file():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    source = json.loads(manifest.read_text())["source"]
+    if not Path(source).is_file():  # a shared cache converted elsewhere: the default model's file
+        from engine.worker.loader import default_model_path
+        source = str(default_model_path())
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    tensors = load_gguf_checkpoint(source, return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict({name: torch.as_tensor(t) for name, t in tensors.items()}, strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys, result
+    model.tie_weights()
+    return model.eval()
+
+
 class HFReference:
     """HF transformers on the same weights: greedy generate one prompt at a time, no EOS stop."""
 
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = hf_float32_model(model_dir)
 
     @torch.no_grad()
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.worker import loader
+from engine.worker.quantized import Q8_0, dequantize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,10 +103,16 @@ def test_weights_match_transformers_gguf_processing(converted):
             name_map[f"{gguf_base}.{suffix}"] = hf_name
 
     ours = dict(loader.iter_weights(converted))
+    stored = loader.stored_block_types(converted)  # kept as GGUF blocks: Q4_1 layers, the Q8_0 embedding
     assert set(ours) == {name_map[t.name] for t in reader.tensors}
+    assert set(stored) == {name_map[t.name] for t in reader.tensors if t.tensor_type.name in ("Q4_1", "Q8_0")}
+    assert len(stored) == 211 and stored["model.embed_tokens.weight"] == Q8_0
     for name, tensor in ours.items():
-        assert tuple(tensor.shape) == hf_shapes[name], name
-        assert tensor.dtype == torch.float32, name
+        if name in stored:
+            assert tensor.dtype == torch.uint8 and tensor.shape[0] == hf_shapes[name][0], name
+            assert tuple(dequantize(tensor, stored[name]).shape) == hf_shapes[name], name
+        else:
+            assert tuple(tensor.shape) == hf_shapes[name] and tensor.dtype == torch.float32, name
 
     checked = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "token_embd.weight", "blk.0.attn_norm.weight"]
     raw = {t.name: t for t in reader.tensors if t.name in checked}
@@ -113,7 +120,8 @@ def test_weights_match_transformers_gguf_processing(converted):
         t = raw[gguf_name]
         weights = gguf.quants.dequantize(t.data, t.tensor_type)
         expected = torch.from_numpy(processor.process(weights=weights, name=gguf_name).weights.copy())
-        got = ours[name_map[gguf_name]]
+        name = name_map[gguf_name]
+        got = dequantize(ours[name], stored[name]) if name in stored else ours[name]
         assert torch.equal(got, expected), gguf_name
         if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
             # The permutation is not the identity, so the comparison above checked it.
@@ -122,10 +130,14 @@ def test_weights_match_transformers_gguf_processing(converted):
 
 def test_converted_model_answers(converted):
     # End to end through transformers' own Llama: a wrong rope layout or name gives gibberish.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(converted)
-    model = AutoModelForCausalLM.from_pretrained(converted)
+    stored = loader.stored_block_types(converted)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(converted), dtype=torch.float32)
+    model.load_state_dict({name: dequantize(t, stored[name]) if name in stored else t
+                           for name, t in loader.iter_weights(converted)}, strict=False)
+    model.tie_weights()
     inputs = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True,

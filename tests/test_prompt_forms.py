@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from entrypoints.llm_arguments import engine_arguments
 from entrypoints.prompt_inputs import parse_conversations, parse_prompts
 from tests.conftest import assert_engine_idle
@@ -172,8 +173,9 @@ def test_vllm_constructor_arguments_are_read_or_refused_by_name():
                                  max_num_batched_tokens=None, dtype="float", seed=3)) == dict(dtype="float", seed=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         engine_arguments(dict(tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="quantization='awq'"):
-        engine_arguments(dict(quantization="awq"))
+    assert engine_arguments(dict(quantization="int8")) == dict(quantization="int8")  # an EngineConfig field
+    with pytest.raises(ValueError, match="quantization must be int4, int8 or gguf.*'awq'"):
+        EngineConfig(**engine_arguments(dict(quantization="awq")))
     with pytest.raises(TypeError, match="enforce_eager must be True or False"):
         engine_arguments(dict(enforce_eager="yes"))
     with pytest.raises(TypeError, match="unsupported argument.*swap_space.*accepted: .*max_model_len"):

@@ -17,6 +17,7 @@
 
 #include "attention.h"
 #include "elementwise.h"
+#include "quant_linear.h"
 
 #ifndef ENGINE_EXT_NAME
 #error "define ENGINE_EXT_NAME (the module name) and ENGINE_OPS_NS (the op namespace)"
@@ -41,7 +42,7 @@ void check_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
 }
 
 void check_rows(const at::Tensor& t, const char* name, int64_t n) {
-  TORCH_CHECK(t.dim() == 2 && t.size(1) == n && t.stride(1) == 1, name, " must be [rows, ", n,
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == n && (t.stride(1) == 1 || t.numel() == 0), name, " must be [rows, ", n,
               "] with unit stride in its last dim, got sizes ", t.sizes(), " strides ", t.strides());
 }
 
@@ -270,6 +271,110 @@ void rope(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at::T
   });
 }
 
+
+template <typename F>
+void with_quant_type(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0: f(std::integral_constant<int, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); break;
+    case kQ8_0: f(std::integral_constant<int, kQ8_0>{}); break;
+    default: TORCH_CHECK(false, "quantized weights: GGML type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), not ", type);
+  }
+}
+
+// weight: uint8 [N, K / 32 * block_bytes], contiguous; returns K.
+int64_t check_quant_weight(const at::Tensor& weight, int64_t type) {
+  check_cpu(weight, "weight", at::kByte);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous uint8 [out_features, bytes]");
+  const int64_t bb = block_bytes(int(type));
+  TORCH_CHECK(weight.size(1) % bb == 0 && weight.size(1) > 0, "weight rows of ", weight.size(1),
+              " bytes are not whole blocks of ", bb);
+  return weight.size(1) / bb * kQK;
+}
+
+template <typename T>
+void widen_row(float* dst, const T* src, int64_t n) {  // n is a multiple of 32
+  for (int64_t i = 0; i < n; i += W) Vec::load(src + i).store(dst + i);
+}
+
+template <typename T>
+void narrow_row(T* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) Vec::load(src + i).store(dst + i);
+  if (i < n) store_partial(Vec::load(src + i), dst + i, int(n - i));  // src rows are padded to W
+}
+
+// Rows of x that share one pass over the weights: as many as keep their accumulators in
+// registers (2 per row on AVX-512, of its 32 registers; 4 on AVX2, of 16). Rows of x are taken kQuantRowBlock
+// at a time (they stay in L2) and weights kQuantWeightRows rows at a time (they stay in L1
+// through every pass over those x rows).
+constexpr int kQuantRows = W == 16 ? 8 : 2;
+constexpr int64_t kQuantWeightRows = 16;
+constexpr int64_t kQuantRowBlock = 64;
+
+template <typename F>
+void with_row_count(int rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+#if defined(__AVX512F__)
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+#else
+    default: f(std::integral_constant<int, 2>{}); break;
+#endif
+  }
+}
+
+// out [M, N] = input [M, K] @ dequantize(weight)^T, in input's dtype, accumulated in float.
+void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t type) {
+  const auto dtype = input.scalar_type();
+  check_cpu(input, "input", dtype);
+  check_cpu(out, "out", dtype);
+  with_quant_type(type, [&](auto) {});
+  const int64_t k = check_quant_weight(weight, type), n = weight.size(0), m = input.size(0);
+  check_rows(input, "input", k);
+  check_rows(out, "out", n);
+  TORCH_CHECK(out.size(0) == m, "out and input must have the same rows");
+  if (m == 0 || n == 0) return;
+  std::vector<float> x(m * k);
+  with_storage_type(input, [&](auto tag) {
+    using T = decltype(tag);
+    const T* in = static_cast<const T*>(input.data_ptr());
+    for (int64_t r = 0; r < m; ++r) widen_row(x.data() + r * k, in + r * input.stride(0), k);
+  });
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  with_quant_type(type, [&](auto qt) {
+    constexpr int Type = decltype(qt)::value;
+    with_storage_type(input, [&](auto tag) {
+      using T = decltype(tag);
+      T* y = static_cast<T*>(out.data_ptr());
+      at::parallel_for(0, n, W, [&](int64_t n0, int64_t n1) {
+        const int64_t cols = n1 - n0, padded = (cols + W - 1) / W * W;
+        std::vector<float> tile(std::min(m, kQuantRowBlock) * padded, 0.0f);  // out[m0:, n0:n1], as float
+        for (int64_t m0 = 0; m0 < m; m0 += kQuantRowBlock) {
+          const int64_t rows = std::min(kQuantRowBlock, m - m0);
+          for (int64_t nb = n0; nb < n1; nb += kQuantWeightRows) {
+            for (int64_t r0 = 0; r0 < rows; r0 += kQuantRows) {
+              with_row_count(int(std::min<int64_t>(kQuantRows, rows - r0)), [&](auto r) {
+                quant_dot_rows<Type, decltype(r)::value>(tile.data() + r0 * padded, padded, n0,
+                                                         x.data() + (m0 + r0) * k, k, w, nb,
+                                                         std::min(n1, nb + kQuantWeightRows));
+              });
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            narrow_row(y + (m0 + r) * out.stride(0) + n0, tile.data() + r * padded, cols);
+        }
+      });
+    });
+  });
+}
+
 }  // namespace
 }  // namespace engine_cpu
 
@@ -282,6 +387,7 @@ TORCH_LIBRARY(ENGINE_OPS_NS, m) {
   m.def("add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, int kind) -> ()");
   m.def("act_and_mul(Tensor(a!) out, Tensor input, int act) -> ()");
   m.def("rope(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+  m.def("quant_linear(Tensor(a!) out, Tensor input, Tensor weight, int type) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ENGINE_OPS_NS, CPU, m) {
@@ -291,6 +397,7 @@ TORCH_LIBRARY_IMPL(ENGINE_OPS_NS, CPU, m) {
   m.impl("add_rms_norm", &engine_cpu::add_rms_norm);
   m.impl("act_and_mul", &engine_cpu::act_and_mul);
   m.impl("rope", &engine_cpu::rope);
+  m.impl("quant_linear", &engine_cpu::quant_linear);
 }
 
 #define ENGINE_STR2(x) #x

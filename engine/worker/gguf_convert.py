@@ -1,5 +1,8 @@
 """A GGUF file (llama.cpp's format) turned into an HF-style directory the engine loads: config.json,
-tokenizer files, generation_config.json and one float32 model.safetensors.
+tokenizer files, generation_config.json and one model.safetensors. Tensors in the block formats
+the native kernels multiply as stored (Q4_0, Q4_1, Q8_0) are kept as their raw blocks (uint8, one
+row of blocks per output feature) and listed in quantization.json; the others (F32/F16/BF16
+tensors, K-quants and the other GGUF types) are dequantized to float32.
 
 Tensor names come from gguf-py's own map of each architecture (the table llama.cpp's converter
 wrote them with), read backwards. What llama.cpp's converter changed on the way in is undone:
@@ -80,18 +83,24 @@ def convert(gguf_path: Path, out_dir: Path, metadata: dict[str, str]) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     hf_names = _hf_names(gguf, arch, config.num_hidden_layers)
-    tensors = {}
+    named = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FACTORS:
             continue
         base, _, suffix = tensor.name.rpartition(".")  # suffix: weight | bias
         if base not in hf_names:  # refuse rather than silently drop a weight the model may need
             raise ValueError(f"GGUF tensor {tensor.name!r} has no known HF name for architecture {arch!r}")
-        name = f"{hf_names[base]}.{suffix}"
+        named[f"{hf_names[base]}.{suffix}"] = tensor
+    kept = _kept_quantized(named)
+    tensors = {}
+    for name, tensor in named.items():
         # GGUF lists dimensions fastest-first; numpy/HF order is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False)
-        weights = torch.from_numpy(weights.reshape(shape).copy())
+        if name in kept:  # one row of blocks per output feature
+            weights = torch.from_numpy(tensor.data.reshape(shape[0], -1).copy())
+        else:
+            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False)
+            weights = torch.from_numpy(weights.reshape(shape).copy())
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             weights = _unpermute_rope(weights, config.num_attention_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -100,6 +109,29 @@ def convert(gguf_path: Path, out_dir: Path, metadata: dict[str, str]) -> None:
             weights = weights - 1  # llama.cpp stores Gemma's (1 + w)
         tensors[name] = weights
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt", **metadata})
+    # Every tensor's GGUF type, and which are kept as blocks (the rest are float32 here).
+    manifest = {"format": "gguf", "source": str(gguf_path), "tensors": dict(sorted(kept.items())),
+                "source_types": {name: t.tensor_type.name for name, t in sorted(named.items())}}
+    (out_dir / QUANTIZATION_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+QUANTIZATION_FILE = "quantization.json"
+# The projections the engine fuses into one matrix: their parts must share a block type to stay
+# quantized together (else all of them are dequantized).
+_FUSED_PARTS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _kept_quantized(named: dict) -> dict[str, str]:
+    """HF name -> GGML type name of the weights kept as stored blocks."""
+    from engine.worker.quantized import TYPE_IDS
+    types = {name: t.tensor_type.name for name, t in named.items() if name.endswith(".weight") and len(t.shape) == 2}
+    fused: dict[tuple[str, str], list[str]] = {}  # (layer, fused projection) -> its parts
+    for name in types:
+        layer, _, module = name.removesuffix(".weight").rpartition(".")
+        if module in _FUSED_PARTS:
+            fused.setdefault((layer, _FUSED_PARTS[module]), []).append(name)
+    mixed = {part for parts in fused.values() if len({types[p] for p in parts}) > 1 for part in parts}
+    return {name: t for name, t in types.items() if t in TYPE_IDS and name not in mixed}
 
 
 def _hf_names(gguf, arch: str, num_layers: int) -> dict[str, str]:

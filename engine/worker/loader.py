@@ -34,7 +34,7 @@ DEFAULT_MODEL_VERSION = "0.1.2"
 
 # Part of the GGUF cache key: bump it whenever the conversion output changes, so old cache
 # directories are never mistaken for new ones.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -157,6 +157,20 @@ def iter_weights(model_dir: Path, wanted=lambda name: True) -> Iterator[tuple[st
             if not isinstance(state, dict):
                 raise ValueError(f"{file} does not hold a state dict")
             yield from state.items()
+
+
+def stored_block_types(model_dir: Path) -> dict[str, int] | None:
+    """Checkpoint name -> GGML type of the tensors a converted .gguf keeps as quantized blocks;
+    None when ``model_dir`` is not a converted .gguf."""
+    from engine.worker.quantized import TYPE_IDS
+    path = Path(model_dir) / gguf_convert.QUANTIZATION_FILE
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    if not isinstance(manifest, dict) or manifest.get("format") != "gguf" or \
+            not isinstance(manifest.get("tensors"), dict):
+        raise ValueError(f"{path} is not a converted GGUF's manifest")
+    return {name: TYPE_IDS[t] for name, t in manifest["tensors"].items()}
 
 
 def model_fingerprint(model_dir: Path) -> str:

@@ -23,6 +23,7 @@ from engine.worker.backends import select_kernels
 from engine.worker.cpu_linear import onednn_available, pack_linears
 from engine.worker.input_batch import InputBatch, RowState
 from engine.worker.models import ModelConfig, model_class
+from engine.worker.quantized import METHODS, quantized_targets, swap_modules, widen_modules
 from engine.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("engine.worker")
@@ -79,11 +80,14 @@ class ModelRunner:
         # way), then filled tensor by tensor by load_weights.
         with torch.device("meta"):
             model = model_class(self.model_config)(self.model_config, self.kernels)
+        quantized_ops = self._quantize(model, model_dir)
         model = model.to(self.dtype).to_empty(device=self.device)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rope(self.device)
         model.load_weights(loader.iter_weights(model_dir, lambda name: model.checkpoint_name(name) is not None))
+        if quantized_ops is None:
+            widen_modules(model, self.dtype)
         if onednn_available(self.device, self.dtype):
             pack_linears(model)
         self.model = model.eval()
@@ -99,6 +103,31 @@ class ModelRunner:
         self._fail_at_forward = (int(os.environ.get("ENGINE_FAULT_FORWARD_AT", "0"))
                                  if os.environ.get("ENGINE_ALLOW_FAULTS") == "1" else 0)
         self._num_forwards = 0
+
+    def _quantize(self, model: torch.nn.Module, model_dir: Path):
+        """Swaps in the quantized modules the model's weights need (on the meta device) and
+        returns the kernels they run on; None: none, or no kernels here (the weights are then
+        dequantized once loaded, and the log says why)."""
+        method = self.config.quantization
+        stored = loader.stored_block_types(model_dir)
+        if method == "gguf" and stored is None:
+            raise ValueError(f"quantization='gguf' needs a .gguf model; {model_dir} is not one")
+        targets = quantized_targets(model, stored, method)
+        if not targets:
+            return None
+        if self.device.type != "cpu" and method in METHODS:
+            raise ValueError(f"quantization={method!r} runs on the CPU kernels; on {self.device.type} load the "
+                             "float checkpoint (or a checkpoint quantized for it)")
+        ops = native.ops() if self.device.type == "cpu" else None
+        why = native.unavailable_reason() if self.device.type == "cpu" else f"the device is {self.device}"
+        if ops is not None and not hasattr(ops, "quant_linear"):
+            ops, why = None, "the native build predates them: pip install --no-build-isolation -e ."
+        with torch.device("meta"):
+            swap_modules(model, targets, self.dtype, ops)
+        if ops is None:
+            logger.warning("%d quantized weights are dequantized to %s at load (%s): the quantized kernels are "
+                           "CPU-native", len(targets), self.dtype, why)
+        return ops
 
     @property
     def bytes_per_block(self) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 from engine.worker.models.config import ModelConfig, base_config, check_activation, qwen_layer_windows
 from engine.worker.models.layers import MLP, Attention, RMSNorm, rope_for_positions, rope_inv_freqs
 from engine.worker.ops import Kernels
+from engine.worker.quantized import quantize
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -87,31 +88,42 @@ class LlamaForCausalLM(nn.Module):
         """A checkpoint tensor's name in this module, or None for one the engine does not use."""
         return None if "rotary_emb" in name else name.removeprefix("model.")
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads HF-named tensors, packing q/k/v and gate/up into their fused projections."""
+    def param_slot(self, name: str) -> tuple[str, int | None, int | None]:
+        """Where a checkpoint tensor goes: (parameter name, first row, rows), the rows for the
+        parts of a fused projection (q/k/v into qkv_proj, gate/up into gate_up_proj), else None."""
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inter = cfg.intermediate_size
-        packed = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-                  "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+                 "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in fused:
+                target, start, size = fused[part]
+                return ".".join(parts[:i] + [target] + parts[i + 1:]), start, size
+        return name, None, None
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named tensors, packing q/k/v and gate/up into their fused projections. A float
+        tensor bound for a quantized module is quantized to its block type on the way."""
+        cfg = self.config
         params = dict(self.named_parameters())
+        block_types = {f"{name}.weight": m.qtype for name, m in self.named_modules() if hasattr(m, "qtype")}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = self.checkpoint_name(name)
             if name is None or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            parts = name.split(".")
-            target, start, size = name, None, None
-            for i, part in enumerate(parts):
-                if part in packed:
-                    fused, start, size = packed[part]
-                    target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+            target, start, size = self.param_slot(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
+            if target in block_types and tensor.is_floating_point():
+                tensor = quantize(tensor, block_types[target])
             dest = params[target] if start is None else params[target].narrow(0, start, size)
-            if dest.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            if dest.shape != tensor.shape or (dest.dtype == torch.uint8) != (tensor.dtype == torch.uint8):
+                raise ValueError(f"weight {name!r} is {tensor.dtype} {tuple(tensor.shape)}, expected "
+                                 f"{dest.dtype} {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(target if start is None else f"{target}[{start}]")
         expected = {n for n in params if n not in ("lm_head.weight",) or not cfg.tie_word_embeddings}

@@ -1,0 +1,258 @@
+"""Weights that stay quantized (engine/worker/quantized.py, csrc/cpu/quant_linear.h).
+
+Oracles: gguf-py (llama.cpp's reference quantizers and dequantizers, ported) for the block
+formats; a float64 product with the dequantized weights for the native kernels, on generated
+shapes and both ISA builds; transformers for whole models (reading the .gguf with its own GGUF
+reader, or given weights quantized and dequantized by the reference)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import LLM, SamplingParams
+from engine.worker import native
+from engine.worker.gguf_convert import _kept_quantized
+from engine.worker.quantized import (BLOCK_BYTES, Q4_0, Q4_1, Q8_0, QK, TYPE_NAMES, QuantEmbedding, QuantLinear,
+                                     dequantize, quantize)
+from tests.conftest import HFReference, assert_engine_idle, make_tiny_model
+
+TYPES = (Q4_0, Q4_1, Q8_0)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ISAS = native.supported_isas()  # as test_native_kernels: both builds on an AVX-512 machine
+
+
+def _random_blocks(rng: np.random.Generator, rows: int, groups: int, qtype: int) -> torch.Tensor:
+    """Valid blocks with any integers and scales (and Q4_1 minimums) across fp16's range."""
+    b = rng.integers(0, 256, size=(rows, groups, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    scales = 2. ** rng.uniform(-14, 2, size=(rows, groups, 2)) * rng.choice([-1, 1], size=(rows, groups, 2))
+    b[..., :4 if qtype == Q4_1 else 2] = scales.astype(np.float16).view(np.uint8)[..., :4 if qtype == Q4_1 else 2]
+    return torch.from_numpy(b.reshape(rows, -1))
+
+
+# ---- the reference against gguf-py (llama.cpp's own rounding) -------------------------------
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(qtype=st.sampled_from(TYPES), rows=st.integers(1, 6), groups=st.integers(1, 5), seed=st.integers(0, 2**32 - 1),
+       log_scale=st.floats(-6, 3))
+def test_dequantize_and_quantize_equal_llama_cpps_reference(qtype, rows, groups, seed, log_scale):
+    rng = np.random.default_rng(seed)
+    ggml = gguf.GGMLQuantizationType[TYPE_NAMES[qtype]]
+    blocks = _random_blocks(rng, rows, groups, qtype)
+    expected = gguf.quants.dequantize(blocks.numpy(), ggml).reshape(rows, groups * QK)
+    assert np.array_equal(dequantize(blocks, qtype).numpy(), expected)
+    if qtype == Q4_0:
+        return  # the engine quantizes to Q4_1 and Q8_0 only
+    w = (rng.standard_normal((rows, groups * QK)) * 10. ** log_scale).astype(np.float32)
+    w[0, :QK] = 0  # an all-zero group: scale 0, no division by it
+    if rows > 1:  # a group of exact halves after scaling (scale 1): rounding ties go away from zero
+        ties = np.arange(QK, dtype=np.float32) % 15 + 0.5
+        ties[:2] = (0, 15) if qtype == Q4_1 else (-3.5, 127)
+        w[-1, -QK:] = ties
+    assert np.array_equal(quantize(torch.from_numpy(w), qtype).numpy(), gguf.quants.quantize(w, ggml))
+
+
+def test_quantize_refuses_what_it_cannot_make():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        quantize(torch.zeros(4, 48), Q8_0)
+    with pytest.raises(ValueError, match="Q4_0"):
+        quantize(torch.zeros(4, 64), Q4_0)
+
+
+# ---- the native kernels against the reference, both builds ----------------------------------
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(qtype=st.sampled_from(TYPES), dtype=st.sampled_from(DTYPES), m=st.one_of(st.integers(0, 9), st.sampled_from([17, 70])),
+       n=st.integers(1, 40),
+       groups=st.integers(1, 6), pad=st.integers(0, 3), seed=st.integers(0, 2**32 - 1))
+def test_native_kernels_equal_the_reference(isa, qtype, dtype, m, n, groups, pad, seed):
+    ops = native.load(isa)
+    rng = np.random.default_rng(seed)
+    k = groups * QK
+    blocks = _random_blocks(rng, n, groups, qtype)
+    reference = dequantize(blocks, qtype)  # float32, exact
+    # Rows with a stride past K (a view of a wider tensor): the kernel must follow it.
+    x = torch.from_numpy(rng.standard_normal((m, k + pad)).astype(np.float32)).to(dtype)[:, :k]
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    ops.quant_linear(out, x, blocks, qtype)
+    exact = x.double() @ reference.double().T
+    # Only the order of float32 additions differs, then one rounding to the output dtype.
+    bound = (x.double().abs() @ reference.double().abs().T) * 4e-6 + exact.abs() * torch.finfo(dtype).eps
+    assert ((out.double() - exact).abs() <= bound + 1e-30).all()
+    # Batch invariance: each row alone gives its bits in the batch (a prefix hit's suffix, a
+    # decode step and a prefill must project a token identically).
+    for i in range(0, m, max(1, m // 5)):
+        alone = torch.empty(1, n, dtype=dtype)
+        ops.quant_linear(alone, x[i:i + 1], blocks, qtype)
+        assert torch.equal(alone[0], out[i])
+
+
+def test_native_kernels_refuse_bad_arguments():
+    ops = native.load(ISAS[0])
+    blocks = torch.zeros(8, 2 * BLOCK_BYTES[Q4_1], dtype=torch.uint8)
+    x, out = torch.zeros(1, 64), torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="GGML type"):
+        ops.quant_linear(out, x, blocks, 5)
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        ops.quant_linear(out, x, blocks[:, :30].contiguous(), Q4_1)
+    with pytest.raises(RuntimeError, match="input must be"):
+        ops.quant_linear(out, torch.zeros(1, 32), blocks, Q4_1)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.quant_linear(torch.zeros(1, 9), x, blocks, Q4_1)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.quant_linear(out, x, blocks.to(torch.int8), Q4_1)
+
+
+# ---- the converter ---------------------------------------------------------------------------
+
+class _Tensor:
+    def __init__(self, type_name: str, dims: int = 2) -> None:
+        self.tensor_type = gguf.GGMLQuantizationType[type_name]
+        self.shape = (64,) * dims
+
+
+def test_a_fused_projection_stays_quantized_only_when_its_parts_share_a_type():
+    named = {"model.layers.0.self_attn.q_proj.weight": _Tensor("Q4_1"),
+             "model.layers.0.self_attn.k_proj.weight": _Tensor("Q4_1"),
+             "model.layers.0.self_attn.v_proj.weight": _Tensor("Q8_0"),  # mixed: all three dequantized
+             "model.layers.0.self_attn.o_proj.weight": _Tensor("Q4_0"),
+             "model.layers.0.mlp.gate_proj.weight": _Tensor("Q8_0"),
+             "model.layers.0.mlp.up_proj.weight": _Tensor("Q8_0"),
+             "model.layers.0.mlp.down_proj.weight": _Tensor("Q4_K"),  # a K-quant: dequantized
+             "model.layers.0.input_layernorm.weight": _Tensor("F32", dims=1),
+             "model.embed_tokens.weight": _Tensor("Q8_0")}
+    assert _kept_quantized(named) == {"model.layers.0.self_attn.o_proj.weight": "Q4_0",
+                                      "model.layers.0.mlp.gate_proj.weight": "Q8_0",
+                                      "model.layers.0.mlp.up_proj.weight": "Q8_0",
+                                      "model.embed_tokens.weight": "Q8_0"}
+
+
+# ---- whole models ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_fp32(smollm2_dir) -> LLM:
+    return LLM(num_blocks=256, dtype="float32")
+
+
+def test_the_default_gguf_runs_as_stored(default_fp32):
+    model = default_fp32.engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 30 * 4 + 1 and isinstance(model.embed_tokens, QuantEmbedding)
+    assert {m.qtype for m in linears[:-1]} == {Q4_1} and model.lm_head.qtype == Q8_0
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied: one table
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    from engine.worker.loader import default_model_path
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes <= os.path.getsize(default_model_path())  # not widened anywhere
+
+
+def test_the_default_gguf_matches_transformers_reading_it(default_fp32, smollm2_dir):
+    """Greedy tokens equal transformers' on the dequantized .gguf (float32), and every top-5
+    log-probability is within 2e-4 of its, teacher-forced (measured: under 5e-5)."""
+    hf = HFReference(smollm2_dir)
+    candidates = [default_fp32.get_tokenizer().encode(p) for p in
+                  ("The capital of France is", "def fibonacci(n):", "The three primary colors are",
+                   "Water boils at", "Once upon a time, in a small village,")]
+    prompts, expected = hf.well_conditioned(candidates, 16, count=3)
+    outputs = default_fp32.generate([{"prompt_token_ids": p} for p in prompts],
+                                    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5),
+                                    use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for prompt, tokens, output in zip(prompts, expected, outputs):
+        with torch.no_grad():
+            logits = hf.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        reference = torch.log_softmax(logits.double(), dim=-1)
+        for position, top in enumerate(output.outputs[0].logprobs):
+            ids = list(top)
+            ours = torch.tensor([top[i].logprob for i in ids], dtype=torch.float64)
+            torch.testing.assert_close(ours, reference[position, ids], atol=2e-4, rtol=0)
+    assert_engine_idle(default_fp32)
+
+
+def test_quantization_is_refused_where_it_does_not_apply(default_fp32, tiny_llama):
+    with pytest.raises(ValueError, match="quantizes a float checkpoint"):
+        LLM(quantization="int8", num_blocks=16)
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        LLM(str(tiny_llama), quantization="gguf", num_blocks=16)
+    with pytest.raises(ValueError, match="int4, int8 or gguf"):
+        LLM(str(tiny_llama), quantization="fp8", num_blocks=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_for_quantization(tmp_path_factory) -> object:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-q"), "llama", tie_word_embeddings=True)
+
+
+def _reference_of_quantized(model_dir, out_dir, qtype):
+    """The checkpoint with every linear weight (and the tied embedding) replaced by the
+    reference's dequantize(quantize(w)): what int4/int8 must compute."""
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.copy_(dequantize(quantize(module.weight, qtype), qtype))
+    model.save_pretrained(out_dir)
+    tf.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_at_load_computes_the_quantized_checkpoint(method, tiny_for_quantization, tmp_path):
+    """Greedy tokens and top-5 log-probabilities equal transformers' on the checkpoint whose weights
+    the reference quantized and dequantized (within 1e-4), and differ measurably from the
+    unquantized checkpoint's (so the comparison can tell the two apart)."""
+    qtype = {"int8": Q8_0, "int4": Q4_1}[method]
+    hf = HFReference(_reference_of_quantized(tiny_for_quantization, tmp_path / "reference", qtype))
+    unquantized = HFReference(tiny_for_quantization)
+    rng = np.random.default_rng(1)
+    candidates = [rng.integers(3, 49152, size=n).tolist() for n in (5, 16, 37, 64, 11, 130)]
+    prompts, expected = hf.well_conditioned(candidates, 16, count=3)
+    llm = LLM(str(tiny_for_quantization), quantization=method, num_blocks=64, dtype="float32")
+    model = llm.engine.core.runner.model
+    assert {m.qtype for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))} == {qtype}
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 2 * 4 + 1
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    gap_to_unquantized = 0.0
+    for prompt, tokens, output in zip(prompts, expected, outputs):
+        sequence = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            reference = torch.log_softmax(hf.model(sequence).logits[0, len(prompt) - 1:-1].double(), dim=-1)
+            plain = torch.log_softmax(unquantized.model(sequence).logits[0, len(prompt) - 1:-1].double(), dim=-1)
+        for position, top in enumerate(output.outputs[0].logprobs):
+            ids = list(top)
+            ours = torch.tensor([top[i].logprob for i in ids], dtype=torch.float64)
+            torch.testing.assert_close(ours, reference[position, ids], atol=1e-4, rtol=0)
+            gap_to_unquantized = max(gap_to_unquantized, float((ours - plain[position, ids]).abs().max()))
+    assert gap_to_unquantized > 1e-3
+    plain_llm = LLM(str(tiny_for_quantization), num_blocks=16, dtype="float32")
+    assert plain_llm.engine.core.fingerprint != llm.engine.core.fingerprint  # P/D peers and stores tell them apart
+    assert_engine_idle(llm)
+
+
+def test_without_native_kernels_the_weights_are_dequantized_once_and_say_why(tiny_for_quantization):
+    code = ("import sys; from engine import LLM, SamplingParams;"
+            "llm = LLM(sys.argv[1], quantization='int8', num_blocks=16, dtype='float32');"
+            "o = llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=8,"
+            " ignore_eos=True), use_tqdm=False);"
+            "print(type(llm.engine.core.runner.model.lm_head).__name__, o[0].outputs[0].token_ids)")
+    runs = {}
+    for flag in ("0", "1"):
+        result = subprocess.run([sys.executable, "-c", code, str(tiny_for_quantization)], capture_output=True,
+                                text=True, timeout=300, env={**os.environ, "ENGINE_NATIVE": flag})
+        assert result.returncode == 0, result.stderr
+        runs[flag] = result.stdout.strip().splitlines()[-1].split(" ", 1)
+        widened = "10 quantized weights are dequantized to torch.float32 at load (ENGINE_NATIVE=0)" in result.stderr
+        assert widened == (flag == "0"), result.stderr
+    assert runs["1"][0] == "QuantLinear" and runs["0"][0] != "QuantLinear"
+    assert runs["0"][1] == runs["1"][1]  # the same quantized model either way
