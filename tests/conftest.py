@@ -110,6 +110,16 @@ class HFReference:
             outs.append((y.sequences[0, len(ids):].tolist(), min(margins)))
         return outs
 
+    @torch.no_grad()
+    def top_logprob_error(self, prompt: list[int], tokens: list[int], logprobs: list[dict]) -> float:
+        """The largest gap between the engine's top-k log-probabilities along ``tokens`` (an
+        output's ``logprobs``) and the reference's, teacher-forced on the same tokens."""
+        logits = self.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        reference = torch.log_softmax(logits.double(), dim=-1)
+        assert len(logprobs) == len(tokens)
+        return max(float((torch.tensor([top[i].logprob for i in top], dtype=torch.float64)
+                          - reference[position, list(top)]).abs().max()) for position, top in enumerate(logprobs))
+
     def well_conditioned(self, candidates: list[list[int]], max_tokens: int, count: int,
                          min_margin: float = 1e-3) -> tuple[list[list[int]], list[list[int]]]:
         """Prompts whose reference greedy path never meets a near-tie, with their outputs.
