@@ -1,7 +1,11 @@
 """Where a decode step's time goes: torch.profiler over decode steps of a batch of sequences.
 
     python benchmarks/profile_step.py [--dtype bfloat16|float32] [--seqs 32] [--prompt-len 128]
-                                      [--steps 10] [--attention-backend auto|cpu|torch]
+                                      [--steps 10] [--attention-backend auto|cpu|torch] [--model M]
+
+The model is the default one's float32 checkpoint (benchmarks/float_model.py: dense layers, as in
+docs/performance.md's tables) unless --model says otherwise; `--model gguf` profiles the .gguf as
+stored (its quantized kernel, docs/quantization.md).
 
 Prints the profiler's table (self CPU time per op) and the wall time of a decode step measured
 without the profiler. Host time (Python, metadata, dispatch) is the wall time minus the ops'.
@@ -28,9 +32,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--model", default=None, help="a model path, or gguf (default: the float checkpoint)")
     args = parser.parse_args()
 
-    llm = LLM(dtype=args.dtype, enable_prefix_caching=False, attention_backend=args.attention_backend)
+    from benchmarks.float_model import default_float_checkpoint
+    model = None if args.model == "gguf" else args.model or str(default_float_checkpoint())
+    llm = LLM(model, dtype=args.dtype, enable_prefix_caching=False, attention_backend=args.attention_backend)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 20, ignore_eos=True)

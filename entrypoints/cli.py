@@ -36,7 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=["int4", "int8", "gguf"],
                         help="keep weights quantized: int4 (group-wise, 32 per group, scale and minimum) or int8 "
                              "(group-wise symmetric) quantize a float checkpoint at load; a .gguf's Q4_0, Q4_1 "
-                             "and Q8_0 tensors always run as stored (gguf: insist on a .gguf)")
+                             "and Q8_0 tensors run as stored on CPUs with the native kernels, dequantized "
+                             "elsewhere (gguf: insist on a .gguf)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "flash_attn", "xformers"],
                         help="paged attention kernels (auto: the fastest installed for the device; cpu: the native "

@@ -71,7 +71,7 @@ def hf_float32_model(model_dir: Path):
     own GGUF reader (as from_pretrained(gguf_file=...) does, without needing accelerate)."""
     import json
     from transformers import AutoConfig, AutoModelForCausalLM
-    manifest = Path(model_dir) / "quantization.json"
+    manifest = Path(model_dir) / "engine-gguf-blocks.json"
     if not manifest.is_file():
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

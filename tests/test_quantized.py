@@ -89,12 +89,13 @@ def test_native_kernels_equal_the_reference(isa, qtype, dtype, m, n, groups, pad
     assert ((out.double() - exact).abs() <= bound + 1e-30).all()
     # Batch invariance: each row alone gives its bits in the batch (a prefix hit's suffix, a
     # decode step and a prefill must project a token identically).
-    for i in range(0, m, max(1, m // 5)):
+    for i in (sorted({0, m // 2, m - 1}) if m else []):
         alone = torch.empty(1, n, dtype=dtype)
         ops.quant_linear(alone, x[i:i + 1], blocks, qtype)
         assert torch.equal(alone[0], out[i])
 
 
+@pytest.mark.skipif(not ISAS, reason="no native build runs on this CPU")
 def test_native_kernels_refuse_bad_arguments():
     ops = native.load(ISAS[0])
     blocks = torch.zeros(8, 2 * BLOCK_BYTES[Q4_1], dtype=torch.uint8)
@@ -109,6 +110,19 @@ def test_native_kernels_refuse_bad_arguments():
         ops.quant_linear(torch.zeros(1, 9), x, blocks, Q4_1)
     with pytest.raises(RuntimeError, match="dtype"):
         ops.quant_linear(out, x, blocks.to(torch.int8), Q4_1)
+
+
+@pytest.mark.skipif(not ISAS, reason="no native build runs on this CPU")
+def test_a_bias_is_added_before_the_one_rounding_to_bfloat16():
+    """x W^T + b rounded once to bf16 (as nn.Linear does), not the product rounded and then the sum."""
+    torch.manual_seed(0)
+    layer = QuantLinear(64, 256, Q8_0, bias=True, ops=native.load(ISAS[0]))
+    layer.weight.data = quantize(torch.randn(256, 64), Q8_0)
+    layer.bias = torch.nn.Parameter(torch.randn(256).to(torch.bfloat16), requires_grad=False)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    product = torch.empty(3, 256)
+    layer.ops.quant_linear(product, x.float(), layer.weight, Q8_0)
+    assert torch.equal(layer(x), (product + layer.bias.float()).to(torch.bfloat16))
 
 
 # ---- the converter ---------------------------------------------------------------------------
@@ -185,35 +199,54 @@ def tiny_for_quantization(tmp_path_factory) -> object:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-q"), "llama", tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_untied(tmp_path_factory) -> object:
+    """q/k/v biases (random: transformers initializes them to zero) and an output layer quantized
+    on its own."""
+    import transformers as tf
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-q-qwen2"), "qwen2", tie_word_embeddings=False)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
 def _reference_of_quantized(model_dir, out_dir, qtype):
-    """The checkpoint with every linear weight (and the tied embedding) replaced by the
-    reference's dequantize(quantize(w)): what int4/int8 must compute."""
+    """The checkpoint with every linear weight (so the embedding too when the output layer is tied
+    to it, not otherwise) replaced by the reference's dequantize(quantize(w)): what int4/int8
+    must compute."""
     import transformers as tf
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(dequantize(quantize(module.weight, qtype), qtype))
     model.save_pretrained(out_dir)
     tf.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
     return out_dir
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantization_at_load_computes_the_quantized_checkpoint(method, tiny_for_quantization, tmp_path):
+@pytest.mark.parametrize("method,model", [("int8", "tiny_for_quantization"), ("int4", "tiny_for_quantization"),
+                                          ("int8", "tiny_qwen2_untied")])
+def test_quantization_at_load_computes_the_quantized_checkpoint(method, model, tmp_path, request):
     """Greedy tokens and top-5 log-probabilities equal transformers' on the checkpoint whose weights
     the reference quantized and dequantized (within 1e-4), and differ measurably from the
     unquantized checkpoint's (so the comparison can tell the two apart)."""
     qtype = {"int8": Q8_0, "int4": Q4_1}[method]
-    hf = HFReference(_reference_of_quantized(tiny_for_quantization, tmp_path / "reference", qtype))
-    unquantized = HFReference(tiny_for_quantization)
+    tiny = request.getfixturevalue(model)
+    hf = HFReference(_reference_of_quantized(tiny, tmp_path / "reference", qtype))
+    unquantized = HFReference(tiny)
     rng = np.random.default_rng(1)
     candidates = [rng.integers(3, 49152, size=n).tolist() for n in (5, 16, 37, 64, 11, 130)]
     prompts, expected = hf.well_conditioned(candidates, 16, count=3)
-    llm = LLM(str(tiny_for_quantization), quantization=method, num_blocks=64, dtype="float32")
-    model = llm.engine.core.runner.model
-    assert {m.qtype for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))} == {qtype}
-    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 2 * 4 + 1
+    llm = LLM(str(tiny), quantization=method, num_blocks=64, dtype="float32")
+    runner_model = llm.engine.core.runner.model
+    assert {m.qtype for m in runner_model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))} == {qtype}
+    assert sum(isinstance(m, QuantLinear) for m in runner_model.modules()) == 2 * 4 + 1
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -221,7 +254,7 @@ def test_quantization_at_load_computes_the_quantized_checkpoint(method, tiny_for
         assert hf.top_logprob_error(prompt, tokens, output.outputs[0].logprobs) <= 1e-4
     assert max(unquantized.top_logprob_error(p, t, o.outputs[0].logprobs)
                for p, t, o in zip(prompts, expected, outputs)) > 1e-3
-    plain_llm = LLM(str(tiny_for_quantization), num_blocks=16, dtype="float32")
+    plain_llm = LLM(str(tiny), num_blocks=16, dtype="float32")
     assert plain_llm.engine.core.fingerprint != llm.engine.core.fingerprint  # P/D peers and stores tell them apart
     assert_engine_idle(llm)
 

@@ -1,7 +1,7 @@
 """A GGUF file (llama.cpp's format) turned into an HF-style directory the engine loads: config.json,
 tokenizer files, generation_config.json and one model.safetensors. Tensors in the block formats
 the native kernels multiply as stored (Q4_0, Q4_1, Q8_0) are kept as their raw blocks (uint8, one
-row of blocks per output feature) and listed in quantization.json; the others (F32/F16/BF16
+row of blocks per output feature) and listed in engine-gguf-blocks.json; the others (F32/F16/BF16
 tensors, K-quants and the other GGUF types) are dequantized to float32.
 
 Tensor names come from gguf-py's own map of each architecture (the table llama.cpp's converter
@@ -115,7 +115,7 @@ def convert(gguf_path: Path, out_dir: Path, metadata: dict[str, str]) -> None:
     (out_dir / QUANTIZATION_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-QUANTIZATION_FILE = "quantization.json"
+QUANTIZATION_FILE = "engine-gguf-blocks.json"  # a name only this engine writes
 # The projections the engine fuses into one matrix: their parts must share a block type to stay
 # quantized together (else all of them are dequantized).
 _FUSED_PARTS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}

@@ -34,7 +34,7 @@ DEFAULT_MODEL_VERSION = "0.1.2"
 
 # Part of the GGUF cache key: bump it whenever the conversion output changes, so old cache
 # directories are never mistaken for new ones.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -167,10 +167,11 @@ def stored_block_types(model_dir: Path) -> dict[str, int] | None:
     if not path.is_file():
         return None
     manifest = json.loads(path.read_text())
-    if not isinstance(manifest, dict) or manifest.get("format") != "gguf" or \
-            not isinstance(manifest.get("tensors"), dict):
-        raise ValueError(f"{path} is not a converted GGUF's manifest")
-    return {name: TYPE_IDS[t] for name, t in manifest["tensors"].items()}
+    tensors = manifest.get("tensors") if isinstance(manifest, dict) and manifest.get("format") == "gguf" else None
+    if not isinstance(tensors, dict) or not all(isinstance(t, str) and t in TYPE_IDS for t in tensors.values()):
+        raise ValueError(f"{path} is not a manifest of a GGUF this engine converted (format gguf, tensors: "
+                         f"name -> one of {', '.join(TYPE_IDS)})")
+    return {str(name): TYPE_IDS[t] for name, t in tensors.items()}
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -185,6 +186,9 @@ def model_fingerprint(model_dir: Path) -> str:
     h.update(struct.pack("<Q", len(config)) + config)
     for file in _weight_files(model_dir):
         h.update(file.name.encode() + b"\0" + bytes.fromhex(file_digest(file)))
+    blocks = stored_block_types(model_dir)  # which tensors run as blocks (not where the .gguf was)
+    if blocks is not None:
+        h.update(b"gguf-blocks\0" + json.dumps(blocks, sort_keys=True).encode())
     return h.hexdigest()
 
 

@@ -124,6 +124,7 @@ class ModelRunner:
             ops, why = None, "the native build predates them: pip install --no-build-isolation -e ."
         with torch.device("meta"):
             swap_modules(model, targets, self.dtype, ops)
+        model.quantize_at_load = method in METHODS
         if ops is None:
             logger.warning("%d quantized weights are dequantized to %s at load (%s): the quantized kernels are "
                            "CPU-native", len(targets), self.dtype, why)

@@ -1,5 +1,5 @@
 """The native CPU kernels of csrc/cpu (paged attention, fused norms, activations, rope, KV
-writes), loaded for the instruction set this CPU runs.
+writes, linear layers over quantized blocks), loaded for the instruction set this CPU runs.
 
 ``pip install -e .`` builds them twice, for AVX-512 and for AVX2 (engine/_C_avx512 and
 engine/_C_avx2); this module picks the best one the CPU supports. Where none can run (not

@@ -107,10 +107,15 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        self.ops.quant_linear(out, rows, self.weight, self.qtype)
-        if self.bias is not None:
-            out += self.bias
+        if self.bias is not None and x.dtype != torch.float32:  # x W^T + b, rounded once (as nn.Linear)
+            out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+            self.ops.quant_linear(out, rows.float(), self.weight, self.qtype)
+            out = (out + self.bias.float()).to(x.dtype)
+        else:
+            out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+            self.ops.quant_linear(out, rows, self.weight, self.qtype)
+            if self.bias is not None:
+                out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 from engine.worker.models.config import ModelConfig, base_config, check_activation, qwen_layer_windows
 from engine.worker.models.layers import MLP, Attention, RMSNorm, rope_for_positions, rope_inv_freqs
 from engine.worker.ops import Kernels
-from engine.worker.quantized import quantize
+from engine.worker.quantized import TYPE_NAMES, quantize
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -47,6 +47,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     layer_class = DecoderLayer
     norm_class = RMSNorm
+    quantize_at_load = False  # --quantization int4/int8: float weights are quantized as they load
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
@@ -119,6 +120,9 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
             if target in block_types and tensor.is_floating_point():
+                if not self.quantize_at_load:  # a .gguf's manifest says blocks: its file must hold them
+                    raise ValueError(f"weight {name!r} is {tensor.dtype}, but it should be stored as "
+                                     f"{TYPE_NAMES[block_types[target]]} blocks")
                 tensor = quantize(tensor, block_types[target])
             dest = params[target] if start is None else params[target].narrow(0, start, size)
             if dest.shape != tensor.shape or (dest.dtype == torch.uint8) != (tensor.dtype == torch.uint8):
