@@ -23,7 +23,6 @@ far the greedy tokens of ours and llama.cpp agree.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -33,33 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.worker_process import WorkerProcess  # noqa: E402
+
 WORKLOADS = {"single": (1, 32, 256), "prefill": (1, 1024, 1), "streams8": (8, 32, 128)}  # streams, prompt, new
-
-
-class Side:
-    def __init__(self, name: str, python: str, args: list[str]) -> None:
-        self.name = name
-        env = {**os.environ, "OMP_NUM_THREADS": str(args[args.index("--threads") + 1])}
-        self.proc = subprocess.Popen([python, str(HERE / "gguf_peer_worker.py"), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        self.info = self._answer()
-
-    def _answer(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.name} exited ({self.proc.wait()})")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -93,7 +68,8 @@ def main() -> None:
     sides = {}
     try:
         for name, (python, worker_args) in specs.items():
-            sides[name] = Side(name, python, worker_args + common)
+            sides[name] = WorkerProcess(name, [python, str(HERE / "gguf_peer_worker.py"), *worker_args, *common],
+                                        {**os.environ, "OMP_NUM_THREADS": str(args.threads)})
             print(f"{name}: loaded in {sides[name].info['load_s']:.1f} s", flush=True)
         vocab = sides["ours"].info["vocab"]
         best: dict[tuple[str, str], float] = {}
@@ -104,7 +80,7 @@ def main() -> None:
                 rng = random.Random(round_ * 100 + len(workload))
                 prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(streams)]
                 for name in order:
-                    answer = sides[name].run(prompts, new)
+                    answer = sides[name].request({"prompts": prompts, "max_tokens": new})
                     rate = streams * (prompt_len if workload == "prefill" else new) / answer["seconds"]
                     best[name, workload] = max(best.get((name, workload), 0.0), rate)
                     if workload == "single" and round_ == 0:

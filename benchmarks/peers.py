@@ -25,38 +25,13 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.workloads import LONG_WORKLOADS, WORKLOADS, make_workload  # noqa: E402
 from benchmarks.float_model import default_float_checkpoint  # noqa: E402
+from benchmarks.worker_process import WorkerProcess  # noqa: E402
 
 
-class Side:
+def start_side(name: str, python: str, model: str, dtype: str, threads: int) -> WorkerProcess:
     """A peer_worker.py process: load once, then run workloads on request."""
-
-    def __init__(self, name: str, python: str, model: str, dtype: str, threads: int) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [python, str(HERE / "peer_worker.py"), "--side", name, "--model", model, "--dtype", dtype,
-             "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready = self._answer()
-        assert ready.get("ready"), ready
-
-    def _answer(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.name} worker exited (rc {self.proc.wait()})")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def run(self, workload: str, seed: int) -> dict:
-        self.proc.stdin.write(json.dumps({"workload": workload, "seed": seed}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
+    return WorkerProcess(name, [python, str(HERE / "peer_worker.py"), "--side", name, "--model", model,
+                                "--dtype", dtype, "--threads", str(threads)])
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -113,15 +88,15 @@ def main() -> None:
     venv = subprocess.run(["bash", str(HERE / "peer_venv.sh"), args.vllm_venv], check=True,
                           stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
     model = str(default_float_checkpoint())  # vLLM reads float checkpoints only
-    sides = [Side("ours", sys.executable, model, args.dtype, args.threads),
-             Side("vllm", f"{venv}/bin/python", model, args.dtype, args.threads)]
+    sides = [start_side("ours", sys.executable, model, args.dtype, args.threads),
+             start_side("vllm", f"{venv}/bin/python", model, args.dtype, args.threads)]
     best = {(s.name, w): 0.0 for s in sides for w in args.workload}
     tokens: dict[tuple[str, str], list[list[int]]] = {}
     try:
         for r in range(args.rounds):
             for w in args.workload:
                 for side in (sides if r % 2 == 0 else sides[::-1]):
-                    out = side.run(w, seed=r)
+                    out = side.request({"workload": w, "seed": r})
                     rate = sum(len(t) for t in out["tokens"]) / out["seconds"]
                     best[side.name, w] = max(best[side.name, w], rate)
                     tokens[side.name, w] = out["tokens"]

@@ -156,11 +156,10 @@ def swap_modules(model: nn.Module, targets: dict[str, int], dtype: torch.dtype, 
         setattr(parent, attr, new)
 
 
-def widen_modules(model: nn.Module, dtype: torch.dtype) -> int:
+def widen_modules(model: nn.Module, dtype: torch.dtype) -> None:
     """The torch path: every quantized module back to an ordinary one, its weight dequantized
-    once (a tied output layer keeps sharing the embedding's table). Returns how many."""
+    once (a tied output layer keeps sharing the embedding's table)."""
     widened: dict[int, nn.Parameter] = {}  # id(blocks) -> the dense weight, shared as the blocks were
-    count = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, (QuantLinear, QuantEmbedding)):
             continue
@@ -176,8 +175,6 @@ def widen_modules(model: nn.Module, dtype: torch.dtype) -> int:
         dense.weight = weight
         parent_path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_path), attr, dense)
-        count += 1
-    return count
 
 
 def quantized_targets(model: nn.Module, stored: dict[str, int] | None, method: str | None) -> dict[str, int]:
