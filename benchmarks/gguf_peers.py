@@ -1,7 +1,7 @@
 """The default GGUF (SmolLM2-135M-Instruct Q4_1) on this engine and on llama.cpp, side by side,
 interleaved in one run, with our float paths beside them:
 
-    python benchmarks/gguf_peers.py [--rounds 2] [--threads 2] [--quantized-float]
+    python benchmarks/gguf_peers.py [--rounds 2] [--threads 2] [--quantized-float] [--workloads single,...]
 
 Sides (each its own process, loaded once; benchmarks/gguf_peer_worker.py):
   llama_cpp   llama-cpp-python on the .gguf (its own venv: benchmarks/llama_cpp_venv.sh, built
@@ -49,8 +49,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="our activations on the .gguf (default auto)")
     parser.add_argument("--quantized-float", action="store_true",
                         help="also bf16, int8 and int4 on the float checkpoint")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="a comma-separated subset of "
+                        + ", ".join(WORKLOADS))
     parser.add_argument("--llama-cpp-venv", default=str(HERE / ".llama-cpp-venv"))
     args = parser.parse_args()
+    workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
 
     from benchmarks.float_model import default_float_checkpoint
     from engine.worker.loader import default_model_path
@@ -76,7 +79,7 @@ def main() -> None:
         outputs: dict[str, list[list[int]]] = {}
         for round_ in range(args.rounds):
             order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
-            for workload, (streams, prompt_len, new) in WORKLOADS.items():
+            for workload, (streams, prompt_len, new) in workloads.items():
                 rng = random.Random(round_ * 100 + len(workload))
                 prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(streams)]
                 for name in order:
@@ -91,20 +94,21 @@ def main() -> None:
             side.close()
 
     print(f"\n{'workload':10s}" + "".join(f"{name:>12s}" for name in sides) + "   ours/llama.cpp  ours/ours_fp32")
-    for workload in WORKLOADS:
+    for workload in workloads:
         row = "".join(f"{best[name, workload]:12.1f}" for name in sides)
         print(f"{workload:10s}{row}   {best['ours', workload] / best['llama_cpp', workload]:13.2f}x"
               f"  {best['ours', workload] / best['ours_fp32', workload]:13.2f}x")
-    if args.quantized_float:
+    if args.quantized_float and "single" in workloads:
         for name in ("ours_int8", "ours_int4"):
             print(f"{name} / ours_bf16 single-stream: {best[name, 'single'] / best['ours_bf16', 'single']:.2f}x")
     print("load s: " + ", ".join(f"{n} {s.info['load_s']:.1f}" for n, s in sides.items()))
     print("resident MiB gained by loading (of which KV pool): " + ", ".join(
         f"{n} {s.info['rss_bytes'] / 2**20:.0f} ({s.info['kv_bytes'] / 2**20:.0f})" for n, s in sides.items()))
     print(f"GGUF file: {gguf_path.stat().st_size / 2**20:.0f} MiB")
-    print(f"greedy agreement on the single stream (leading tokens of 256): ours vs llama.cpp "
-          f"{agreement(outputs['ours'], outputs['llama_cpp'])}, ours vs ours_fp32 "
-          f"{agreement(outputs['ours'], outputs['ours_fp32'])}")
+    if "single" in workloads:
+        print(f"greedy agreement on the single stream (leading tokens of 256): ours vs llama.cpp "
+              f"{agreement(outputs['ours'], outputs['llama_cpp'])}, ours vs ours_fp32 "
+              f"{agreement(outputs['ours'], outputs['ours_fp32'])}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py [--dtype bfloat16|float32] [--seqs 32] [--prompt-len 128]
                                       [--steps 10] [--attention-backend auto|cpu|torch] [--model M]
+                                      [--quantization int8|int4]
 
 The model is the default one's float32 checkpoint (benchmarks/float_model.py: dense layers, as in
 docs/performance.md's tables) unless --model says otherwise; `--model gguf` profiles the .gguf as
@@ -33,11 +34,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--model", default=None, help="a model path, or gguf (default: the float checkpoint)")
+    parser.add_argument("--quantization", default=None, help="int8 or int4: quantize the float checkpoint at load")
     args = parser.parse_args()
 
     from benchmarks.float_model import default_float_checkpoint
     model = None if args.model == "gguf" else args.model or str(default_float_checkpoint())
-    llm = LLM(model, dtype=args.dtype, enable_prefix_caching=False, attention_backend=args.attention_backend)
+    llm = LLM(model, dtype=args.dtype, enable_prefix_caching=False, attention_backend=args.attention_backend,
+              quantization=args.quantization)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 20, ignore_eos=True)

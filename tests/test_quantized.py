@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams
 from engine.worker import native
 from engine.worker.gguf_convert import _kept_quantized
 from engine.worker.quantized import (BLOCK_BYTES, Q4_0, Q4_1, Q8_0, QK, TYPE_NAMES, QuantEmbedding, QuantLinear,
-                                     dequantize, quantize)
+                                     dequantize, from_kernel_rows, quantize, to_kernel_rows)
 from tests.conftest import HFReference, assert_engine_idle, make_tiny_model
 
 TYPES = (Q4_0, Q4_1, Q8_0)
@@ -82,7 +82,8 @@ def test_native_kernels_equal_the_reference(isa, qtype, dtype, m, n, groups, pad
     # Rows with a stride past K (a view of a wider tensor): the kernel must follow it.
     x = torch.from_numpy(rng.standard_normal((m, k + pad)).astype(np.float32)).to(dtype)[:, :k]
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    ops.quant_linear(out, x, blocks, qtype)
+    packed = to_kernel_rows(blocks, qtype)
+    ops.quant_linear(out, x, packed, qtype)
     exact = x.double() @ reference.double().T
     # Only the order of float32 additions differs, then one rounding to the output dtype.
     bound = (x.double().abs() @ reference.double().abs().T) * 4e-6 + exact.abs() * torch.finfo(dtype).eps
@@ -91,8 +92,23 @@ def test_native_kernels_equal_the_reference(isa, qtype, dtype, m, n, groups, pad
     # decode step and a prefill must project a token identically).
     for i in (sorted({0, m // 2, m - 1}) if m else []):
         alone = torch.empty(1, n, dtype=dtype)
-        ops.quant_linear(alone, x[i:i + 1], blocks, qtype)
+        ops.quant_linear(alone, x[i:i + 1], packed, qtype)
         assert torch.equal(alone[0], out[i])
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(qtype=st.sampled_from(TYPES), rows=st.integers(1, 5), groups=st.integers(1, 5), seed=st.integers(0, 2**32 - 1))
+def test_the_kernel_row_layout_keeps_every_block(qtype, rows, groups, seed):
+    """Packing is a permutation of a row's bytes that unpacks to GGUF's blocks; an embedding
+    looks rows up in the packed table and dequantizes them as the reference does."""
+    blocks = _random_blocks(np.random.default_rng(seed), rows, groups, qtype)
+    packed = to_kernel_rows(blocks, qtype)
+    assert packed.shape == blocks.shape and torch.equal(from_kernel_rows(packed, qtype), blocks)
+    assert torch.equal(packed.sort(dim=1).values, blocks.sort(dim=1).values)
+    embedding = QuantEmbedding(rows, groups * QK, qtype, torch.float32)
+    embedding.weight.data = packed
+    ids = torch.tensor([rows - 1, 0, rows - 1])
+    assert torch.equal(embedding(ids), dequantize(blocks, qtype)[ids])
 
 
 @pytest.mark.skipif(not ISAS, reason="no native build runs on this CPU")
@@ -117,7 +133,7 @@ def test_a_bias_is_added_before_the_one_rounding_to_bfloat16():
     """x W^T + b rounded once to bf16 (as nn.Linear does), not the product rounded and then the sum."""
     torch.manual_seed(0)
     layer = QuantLinear(64, 256, Q8_0, bias=True, ops=native.load(ISAS[0]))
-    layer.weight.data = quantize(torch.randn(256, 64), Q8_0)
+    layer.weight.data = to_kernel_rows(quantize(torch.randn(256, 64), Q8_0), Q8_0)
     layer.bias = torch.nn.Parameter(torch.randn(256).to(torch.bfloat16), requires_grad=False)
     x = torch.randn(3, 64).to(torch.bfloat16)
     product = torch.empty(3, 256)

@@ -297,6 +297,15 @@ void widen_row(float* dst, const T* src, int64_t n) {  // n is a multiple of 32
   for (int64_t i = 0; i < n; i += W) Vec::load(src + i).store(dst + i);
 }
 
+// sums[g] = the sum of block g (32 values) of a bf16 row, in float32, in one fixed order.
+inline void block_sums(float* sums, const bf16_t* row, int64_t groups) {
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec s = Vec::load(row + g * kQK);
+    UNROLL for (int i = W; i < kQK; i += W) s = s + Vec::load(row + g * kQK + i);
+    sums[g] = reduce_add(s);
+  }
+}
+
 template <typename T>
 void narrow_row(T* dst, const float* src, int64_t n) {
   int64_t i = 0;
@@ -341,35 +350,54 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
   check_rows(out, "out", n);
   TORCH_CHECK(out.size(0) == m, "out and input must have the same rows");
   if (m == 0 || n == 0) return;
-  std::vector<float> x(m * k);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  // The columns [n0, n1) of out for all rows: rows of x kQuantRowBlock at a time into a float
+  // tile, weights kQuantWeightRows rows at a time, kQuantRows rows of x per pass (dot(rows,
+  // x_rows, weight_rows) computes tile rows [rows) for those weight rows).
+  auto for_tiles = [&](auto&& narrow, auto&& dot) {
+    at::parallel_for(0, n, W, [&](int64_t n0, int64_t n1) {
+      const int64_t cols = n1 - n0, padded = (cols + W - 1) / W * W;
+      std::vector<float> tile(std::min(m, kQuantRowBlock) * padded, 0.0f);  // out[m0:, n0:n1], as float
+      for (int64_t m0 = 0; m0 < m; m0 += kQuantRowBlock) {
+        const int64_t rows = std::min(kQuantRowBlock, m - m0);
+        for (int64_t nb = n0; nb < n1; nb += kQuantWeightRows)
+          for (int64_t r0 = 0; r0 < rows; r0 += kQuantRows)
+            with_row_count(int(std::min<int64_t>(kQuantRows, rows - r0)), [&](auto r) {
+              dot(r, tile.data() + r0 * padded, padded, n0, m0 + r0, nb, std::min(n1, nb + kQuantWeightRows));
+            });
+        for (int64_t r = 0; r < rows; ++r) narrow(m0 + r, tile.data() + r * padded, n0, cols);
+      }
+    });
+  };
   with_storage_type(input, [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(input.data_ptr());
-    for (int64_t r = 0; r < m; ++r) widen_row(x.data() + r * k, in + r * input.stride(0), k);
-  });
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  with_quant_type(type, [&](auto qt) {
-    constexpr int Type = decltype(qt)::value;
-    with_storage_type(input, [&](auto tag) {
-      using T = decltype(tag);
-      T* y = static_cast<T*>(out.data_ptr());
-      at::parallel_for(0, n, W, [&](int64_t n0, int64_t n1) {
-        const int64_t cols = n1 - n0, padded = (cols + W - 1) / W * W;
-        std::vector<float> tile(std::min(m, kQuantRowBlock) * padded, 0.0f);  // out[m0:, n0:n1], as float
-        for (int64_t m0 = 0; m0 < m; m0 += kQuantRowBlock) {
-          const int64_t rows = std::min(kQuantRowBlock, m - m0);
-          for (int64_t nb = n0; nb < n1; nb += kQuantWeightRows) {
-            for (int64_t r0 = 0; r0 < rows; r0 += kQuantRows) {
-              with_row_count(int(std::min<int64_t>(kQuantRows, rows - r0)), [&](auto r) {
-                quant_dot_rows<Type, decltype(r)::value>(tile.data() + r0 * padded, padded, n0,
-                                                         x.data() + (m0 + r0) * k, k, w, nb,
-                                                         std::min(n1, nb + kQuantWeightRows));
-              });
-            }
-          }
-          for (int64_t r = 0; r < rows; ++r)
-            narrow_row(y + (m0 + r) * out.stride(0) + n0, tile.data() + r * padded, cols);
+    T* y = static_cast<T*>(out.data_ptr());
+    auto narrow = [&](int64_t row, const float* tile_row, int64_t n0, int64_t cols) {
+      narrow_row(y + row * out.stride(0) + n0, tile_row, cols);
+    };
+    with_quant_type(type, [&](auto qt) {
+      constexpr int Type = decltype(qt)::value;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, bf16_t> && Type != kQ8_0) {
+        if (cpu_has_avx512_bf16()) {  // the bf16 way (quant_linear.h): x as it is
+          const int64_t groups = k / kQK, stride = input.stride(0);
+          std::vector<float> sums(Type == kQ4_1 ? m * groups : 0);
+          if constexpr (Type == kQ4_1)
+            for (int64_t r = 0; r < m; ++r) block_sums(sums.data() + r * groups, in + r * stride, groups);
+          for_tiles(narrow, [&](auto rc, float* t, int64_t ts, int64_t base, int64_t row, int64_t w0, int64_t w1) {
+            quant_dot_rows_bf16<Type, decltype(rc)::value>(t, ts, base, in + row * stride, stride,
+                                                           sums.data() + (sums.empty() ? 0 : row * groups), k, w,
+                                                           w0, w1);
+          });
+          return;
         }
+      }
+#endif
+      std::vector<float> x(m * k);
+      for (int64_t r = 0; r < m; ++r) widen_row(x.data() + r * k, in + r * input.stride(0), k);
+      for_tiles(narrow, [&](auto rc, float* t, int64_t ts, int64_t base, int64_t row, int64_t w0, int64_t w1) {
+        quant_dot_rows<Type, decltype(rc)::value>(t, ts, base, x.data() + row * k, k, w, w0, w1);
       });
     });
   });

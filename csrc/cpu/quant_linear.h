@@ -1,16 +1,26 @@
 // Linear layers over weights that stay in GGUF's block formats (Q4_0, Q4_1, Q8_0): y = x W^T,
-// W [N, K] stored row by row as K/32 blocks of 32 weights each.
+// W [N, K], each row K/32 blocks of 32 weights:
 //
-//   Q4_0  18 bytes: d (fp16), 16 bytes of nibbles      w = (q - 8) d
-//   Q4_1  20 bytes: d (fp16), m (fp16), 16 nibbles     w = q d + m
-//   Q8_0  34 bytes: d (fp16), 32 int8                  w = q d
+//   Q4_0  d (fp16), 16 bytes of nibbles           w = (q - 8) d
+//   Q4_1  d (fp16), m (fp16), 16 bytes of nibbles  w = q d + m
+//   Q8_0  d (fp16), 32 int8                        w = q d
 //
-// Nibble j (j < 16) of a Q4 block is byte j's low half; weight 16 + j is its high half.
+// The kernel's row layout (engine/worker/quantized.py packs GGUF's blocks into it at load, the
+// same bytes in another order): all of a row's integers, block after block, then its K/32
+// scales d, then (Q4_1) its K/32 minimums m. A pass over a row widens its scales 16 at a time
+// instead of one fp16 broadcast per block. Nibble j (j < 16) of a Q4 block is byte j's low half;
+// weight 16 + j is its high half.
 //
-// Exactness: the scales are widened from fp16 to float exactly and the integers are exact in
-// float, so each weight is dequantized exactly as GGUF's reference does (q d is exact; Q4_1's
-// + m rounds once), and a row is a float32 dot product with x: it differs from
-// x @ dequantize(W)^T only in the order of its additions.
+// Two ways to a row's dot product, chosen per call by the activations' dtype and the CPU alone
+// (never by the batch: a row's result is the same in any batch, see quant_dot_rows):
+//  - float32 (quant_dot_rows): x widened to float; each block dequantized exactly (q d is
+//    exact; Q4_1's + m rounds once, as GGUF's reference), then float32 FMAs. It differs from
+//    x @ dequantize(W)^T only in the order of its additions.
+//  - bfloat16 dot products (quant_dot_rows_bf16: bf16 activations, Q4 blocks, a CPU with
+//    AVX512-BF16): a nibble's integer is exact in bf16 and so is x, so VDPBF16PS's products are
+//    exact and summed in float32: per block d * sum(x q) (+ m * sum(x) for Q4_1, sum(x) per
+//    block of x in float32). Half the float work per weight of the float32 way, where a
+//    single stream is bound by it.
 #pragma once
 
 #include "vec.h"
@@ -22,16 +32,7 @@ constexpr int kQK = 32;                                    // weights per block
 
 constexpr int block_bytes(int type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34; }
 
-// An fp16 value in every lane, widened exactly.
-ALWAYS_INLINE Vec broadcast_half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__AVX512F__)
-  return _mm512_cvtph_ps(_mm256_set1_epi16(short(h)));
-#else
-  return _mm256_cvtph_ps(_mm_set1_epi16(short(h)));
-#endif
-}
+constexpr int int_bytes(int type) { return type == kQ8_0 ? kQK : kQK / 2; }  // a block's integers
 
 // The 32 integers of one block as floats (Q4_0: q - 8), in 32 / W registers, in weight order.
 template <int Type>
@@ -69,43 +70,68 @@ ALWAYS_INLINE void unpack_block(const uint8_t* qs, Vec* q) {
 #endif
 }
 
-template <int Type>
-ALWAYS_INLINE const uint8_t* block_ints(const uint8_t* block) { return block + (Type == kQ4_1 ? 4 : 2); }
+// n fp16 values widened (exactly) to float.
+ALWAYS_INLINE void widen_halves(float* dst, const uint8_t* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) Vec::load(reinterpret_cast<const fp16_t*>(src) + i).store(dst + i);
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    dst[i] = _cvtsh_ss(h);
+  }
+}
+
+constexpr int kScaleStage = 64;  // blocks whose scales are widened at a time (on the stack); even
+
+// The pass over one weight row: its scales widened kScaleStage blocks at a time, then
+// block(j, g, chain) for each block (j: its index in the stage, g: in the row; chain: g % 2 as a
+// compile-time constant, for kernels that keep one accumulator chain per parity).
+template <int Type, typename F>
+ALWAYS_INLINE void for_each_block(const uint8_t* row, int64_t groups, float* d, float* m, F&& block) {
+  const uint8_t* scales = row + groups * int_bytes(Type);
+  for (int64_t g0 = 0; g0 < groups; g0 += kScaleStage) {
+    const int64_t stage = std::min<int64_t>(kScaleStage, groups - g0);
+    widen_halves(d, scales + 2 * g0, stage);
+    if constexpr (Type == kQ4_1) widen_halves(m, scales + 2 * (groups + g0), stage);
+    int64_t j = 0;  // kScaleStage is even: j and g have the same parity
+    for (; j + 1 < stage; j += 2) {
+      block(j, g0 + j, std::integral_constant<int, 0>{});
+      block(j + 1, g0 + j + 1, std::integral_constant<int, 1>{});
+    }
+    if (j < stage) block(j, g0 + j, std::integral_constant<int, 0>{});
+  }
+}
 
 // out[r][n - base] for rows r < R of x (float, [R][k]) and weight rows n in [n0, n1). Each block
 // is unpacked and dequantized once (w = q d, (q - 8) d or q d + m: one rounding, as GGUF's own
 // dequantization) and serves all R rows. Invariant: a row's result is the same whatever R is and
 // whichever rows share the pass (each row has its own accumulators, fed in the same order), so
 // outputs never depend on batching or on how much of a prompt a prefix hit skipped.
-// acc[Chain + v][r] += w_v * x[r] over block g: its weights dequantized once for all R rows.
-template <int Type, int R, int Chain, int C>
-ALWAYS_INLINE void accumulate_block(Vec (&acc)[C][R], const uint8_t* block, const float* x, int64_t k, int64_t g) {
-  constexpr int V = kQK / W;
-  Vec q[V];
-  unpack_block<Type>(block_ints<Type>(block), q);
-  const Vec d = broadcast_half(block);
-  if constexpr (Type == kQ4_1) {
-    const Vec m = broadcast_half(block + 2);
-    UNROLL for (int v = 0; v < V; ++v) q[v] = fmadd(q[v], d, m);
-  } else {
-    UNROLL for (int v = 0; v < V; ++v) q[v] = q[v] * d;
-  }
-  UNROLL for (int r = 0; r < R; ++r) {
-    const float* xg = x + r * k + g * kQK;
-    UNROLL for (int v = 0; v < V; ++v) acc[Chain + v][r] = fmadd(q[v], Vec::load(xg + v * W), acc[Chain + v][r]);
-  }
-}
-
 template <int Type, int R>
 void quant_dot_rows(float* out, int64_t out_stride, int64_t base, const float* x, int64_t k, const uint8_t* w,
                     int64_t n0, int64_t n1) {
   constexpr int V = kQK / W;  // a block's registers: one accumulator chain per row for each
   const int64_t groups = k / kQK, row_bytes = groups * block_bytes(Type);
+  alignas(64) float d[kScaleStage], m[kScaleStage];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
+    const uint8_t* ints = w + n * row_bytes;
     Vec acc[V][R];
     UNROLL for (int v = 0; v < V; ++v) UNROLL for (int r = 0; r < R; ++r) acc[v][r] = Vec::zero();
-    for (int64_t g = 0; g < groups; ++g) accumulate_block<Type, R, 0>(acc, row + g * block_bytes(Type), x, k, g);
+    for_each_block<Type>(ints, groups, d, m, [&](int64_t j, int64_t g, auto) {
+      Vec q[V];
+      unpack_block<Type>(ints + g * int_bytes(Type), q);
+      const Vec scale = Vec::set1(d[j]);
+      if constexpr (Type == kQ4_1) {
+        const Vec min = Vec::set1(m[j]);
+        UNROLL for (int v = 0; v < V; ++v) q[v] = fmadd(q[v], scale, min);
+      } else {
+        UNROLL for (int v = 0; v < V; ++v) q[v] = q[v] * scale;
+      }
+      UNROLL for (int r = 0; r < R; ++r) {
+        const float* xg = x + r * k + g * kQK;
+        UNROLL for (int v = 0; v < V; ++v) acc[v][r] = fmadd(q[v], Vec::load(xg + v * W), acc[v][r]);
+      }
+    });
     UNROLL for (int r = 0; r < R; ++r) {
       Vec sum = acc[0][r];
       UNROLL for (int v = 1; v < V; ++v) sum = sum + acc[v][r];
@@ -113,5 +139,67 @@ void quant_dot_rows(float* out, int64_t out_stride, int64_t base, const float* x
     }
   }
 }
+
+#if defined(__AVX512F__)
+#define ENGINE_TARGET_BF16 __attribute__((target("avx512bf16")))
+
+inline uint16_t bf16_bits(float v) {  // the top half of an exactly representable float
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return uint16_t(bits >> 16);
+}
+
+// Whether this CPU has VDPBF16PS (the avx512 build runs on AVX-512 CPUs with and without it).
+inline bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// The bf16 way (see the top of this file), for Q4_0 and Q4_1: out[r][n - base] for rows r < R
+// of x (bf16, row r at x + r * x_stride) and weight rows n in [n0, n1); sums[r][g] = the sum of
+// block g of row r of x, in float32 (Q4_1's minimums multiply it). The same invariant as
+// quant_dot_rows: each row has its own accumulators, fed in the same order, in any batch.
+template <int Type, int R>
+ENGINE_TARGET_BF16 void quant_dot_rows_bf16(float* out, int64_t out_stride, int64_t base, const bf16_t* x,
+                                            int64_t x_stride, const float* sums, int64_t k, const uint8_t* w,
+                                            int64_t n0, int64_t n1) {
+  static_assert(Type != kQ8_0, "Q8_0 takes the float32 way (a bf16 lookup of its integers measured no faster)");
+  // A nibble's bf16 by table lookup: vpermw reads an index's low 5 bits, so entries j and
+  // j + 16 hold the same value and the low nibble needs no mask.
+  alignas(64) uint16_t table_values[32];
+  for (int j = 0; j < 32; ++j) table_values[j] = bf16_bits(float((j & 15) - (Type == kQ4_0 ? 8 : 0)));
+  const __m512i table = _mm512_load_si512(table_values);
+  const int64_t groups = k / kQK, row_bytes = groups * block_bytes(Type);
+  alignas(64) float d[kScaleStage], m[kScaleStage];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* ints = w + n * row_bytes;
+    // Two chains per row, even and odd blocks: a chain waits on one FMA per block, not two.
+    __m512 acc[2][R];
+    UNROLL for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    for_each_block<Type>(ints, groups, d, m, [&](int64_t j, int64_t g, auto chain) ENGINE_TARGET_BF16 {
+      constexpr int c = decltype(chain)::value;
+      const __m512 scale = _mm512_set1_ps(d[j]);
+      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + g * kQK / 2)));
+      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+      const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(idx, table);  // the block's 32 weights, in order
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m512bh xg = (__m512bh)_mm512_loadu_si512(x + r * x_stride + g * kQK);
+        acc[c][r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, xg), scale, acc[c][r]);
+      }
+    });
+    if constexpr (Type == kQ4_1) {  // + sum over blocks of m * sum(x): 16 blocks per FMA
+      const uint8_t* mins = ints + groups * (int_bytes(Type) + 2);
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 live = __mmask16(groups - g >= 16 ? 0xffff : (1u << (groups - g)) - 1);
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + 2 * g));
+        UNROLL for (int r = 0; r < R; ++r)
+          acc[0][r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(live, sums + r * groups + g), acc[0][r]);
+      }
+    }
+    UNROLL for (int r = 0; r < R; ++r)
+      out[r * out_stride + n - base] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
+  }
+}
+#endif
 
 }  // namespace engine_cpu

@@ -23,7 +23,7 @@ from engine.worker.backends import select_kernels
 from engine.worker.cpu_linear import onednn_available, pack_linears
 from engine.worker.input_batch import InputBatch, RowState
 from engine.worker.models import ModelConfig, model_class
-from engine.worker.quantized import METHODS, quantized_targets, swap_modules, widen_modules
+from engine.worker.quantized import METHODS, pack_modules, quantized_targets, swap_modules, widen_modules
 from engine.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("engine.worker")
@@ -88,6 +88,8 @@ class ModelRunner:
         model.load_weights(loader.iter_weights(model_dir, lambda name: model.checkpoint_name(name) is not None))
         if quantized_ops is None:
             widen_modules(model, self.dtype)
+        else:
+            pack_modules(model)
         if onednn_available(self.device, self.dtype):
             pack_linears(model)
         self.model = model.eval()

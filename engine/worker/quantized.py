@@ -2,10 +2,11 @@
 made at load from a float checkpoint (``--quantization int4 | int8``), multiplied by the native
 kernel of csrc/cpu/quant_linear.h without ever being widened in memory.
 
-A weight [N, K] is kept as uint8 [N, K / 32 * block_bytes]: each row is its K / 32 blocks in
-GGUF's own layout, so a .gguf tensor loads with no repacking and a fused projection (q/k/v,
-gate/up) is its parts' rows one after the other. Activations stay in the model's dtype; the
-KV cache too.
+A weight [N, K] is kept as uint8 [N, K / 32 * block_bytes]. It is loaded with each row as its
+K / 32 blocks in GGUF's own layout (a .gguf tensor as stored; a fused projection, q/k/v or
+gate/up, its parts' rows one after the other), then packed once, in place, into the kernel's
+row layout: the same bytes, a row's integers first and its scales after (``to_kernel_rows``).
+Activations stay in the model's dtype; the KV cache too.
 
 Where the native kernels cannot run (no AVX2, ENGINE_NATIVE=0, a CUDA device) the weights are
 dequantized once at load into ordinary linears (the torch path), and the log says why.
@@ -61,6 +62,36 @@ def dequantize(blocks: torch.Tensor, qtype: int, dtype: torch.dtype = torch.floa
     return w.reshape(rows, -1).to(dtype)
 
 
+def to_kernel_rows(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF's blocks [N, K / 32 * block_bytes] in the kernel's row layout (csrc/cpu/quant_linear.h):
+    a row's integers, block after block, then its K / 32 fp16 scales d, then (Q4_1) its minimums."""
+    rows, header = blocks.shape[0], 4 if qtype == Q4_1 else 2
+    b = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
+    parts = [b[..., header:], b[..., 0:2]] + ([b[..., 2:4]] if qtype == Q4_1 else [])
+    return torch.cat([part.reshape(rows, -1) for part in parts], dim=1)
+
+
+def from_kernel_rows(packed: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The inverse of ``to_kernel_rows``: GGUF's blocks again."""
+    rows, header = packed.shape[0], 4 if qtype == Q4_1 else 2
+    groups = packed.shape[1] // BLOCK_BYTES[qtype]
+    ints_end = groups * (BLOCK_BYTES[qtype] - header)
+    ints = packed[:, :ints_end].reshape(rows, groups, -1)
+    scales = packed[:, ints_end:].reshape(rows, header // 2, groups, 2).transpose(1, 2).reshape(rows, groups, header)
+    return torch.cat((scales, ints), dim=-1).reshape(rows, -1)
+
+
+def pack_modules(model: nn.Module) -> None:
+    """Every quantized module's blocks, once loaded, into the kernel's row layout, in place (a
+    tied output layer shares the embedding's table: it is packed once)."""
+    packed: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and id(module.weight) not in packed:
+            packed.add(id(module.weight))
+            for part in module.weight.data.split(ROWS_AT_A_TIME):
+                part.copy_(to_kernel_rows(part, module.qtype))
+
+
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """A float weight [N, K] as blocks, rounded exactly as llama.cpp's reference quantizers (and
     gguf-py's port of them): Q8_0 scales each group by max|w| / 127, Q4_1 spans its [min, max]
@@ -90,7 +121,8 @@ def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
 
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W as blocks. ``weight`` is a uint8 Parameter (so load_weights fills it
-    like any other, part by part for fused projections) that may be shared with an embedding."""
+    like any other, part by part for fused projections, before pack_modules puts it in the
+    kernel's row layout) that may be shared with an embedding."""
 
     def __init__(self, in_features: int, out_features: int, qtype: int, bias: bool, ops) -> None:
         super().__init__()
@@ -123,8 +155,8 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """An embedding table kept as blocks (GGUF's token_embd, often tied to the output layer): the
-    looked-up rows are dequantized."""
+    """An embedding table kept as blocks in the kernel's row layout (GGUF's token_embd, often tied
+    to the output layer): the looked-up rows are dequantized."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -133,7 +165,8 @@ class QuantEmbedding(nn.Module):
                                    requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.weight[ids.reshape(-1)], self.qtype, self.dtype).view(*ids.shape, self.embedding_dim)
+        rows = from_kernel_rows(self.weight[ids.reshape(-1)], self.qtype)
+        return dequantize(rows, self.qtype, self.dtype).view(*ids.shape, self.embedding_dim)
 
 
 def swap_modules(model: nn.Module, targets: dict[str, int], dtype: torch.dtype, ops) -> None:
