@@ -53,6 +53,9 @@ def main() -> None:
                         + ", ".join(WORKLOADS))
     parser.add_argument("--llama-cpp-venv", default=str(HERE / ".llama-cpp-venv"))
     args = parser.parse_args()
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads {', '.join(sorted(unknown))} (choose from {', '.join(WORKLOADS)})")
     workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
 
     from benchmarks.float_model import default_float_checkpoint

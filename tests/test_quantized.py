@@ -280,14 +280,38 @@ def test_without_native_kernels_the_weights_are_dequantized_once_and_say_why(tin
             "llm = LLM(sys.argv[1], quantization='int8', num_blocks=16, dtype='float32');"
             "o = llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=8,"
             " ignore_eos=True), use_tqdm=False);"
+            "print(llm.engine.core.fingerprint);"
             "print(type(llm.engine.core.runner.model.lm_head).__name__, o[0].outputs[0].token_ids)")
-    runs = {}
+    runs, fingerprints = {}, {}
     for flag in ("0", "1"):
         result = subprocess.run([sys.executable, "-c", code, str(tiny_for_quantization)], capture_output=True,
                                 text=True, timeout=300, env={**os.environ, "ENGINE_NATIVE": flag})
         assert result.returncode == 0, result.stderr
-        runs[flag] = result.stdout.strip().splitlines()[-1].split(" ", 1)
+        lines = result.stdout.strip().splitlines()
+        runs[flag] = lines[-1].split(" ", 1)
+        fingerprints[flag] = lines[-2]
         widened = "10 quantized weights are dequantized to torch.float32 at load (ENGINE_NATIVE=0)" in result.stderr
         assert widened == (flag == "0"), result.stderr
     assert runs["1"][0] == "QuantLinear" and runs["0"][0] != "QuantLinear"
     assert runs["0"][1] == runs["1"][1]  # the same quantized model either way
+    # ... whose KV differs in its last bits: peers and stores keep them apart.
+    assert ":qk2-dense:" in fingerprints["0"] and ":qk2-dense:" not in fingerprints["1"]
+
+
+def test_the_fingerprint_names_the_kernels_way(monkeypatch):
+    """bf16 dot products only for Q4 blocks under bf16 activations on the AVX-512 build of a CPU
+    with AVX512-BF16; float32 FMAs otherwise; nothing for a model without quantized weights."""
+    from engine.worker import native
+    from engine.worker.quantized import kernel_numerics
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(native, "_select", lambda: ("avx512", ""))
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk2-avx512-bf16dot"
+    assert kernel_numerics(None, "int4", torch.bfloat16, cpu) == ":qk2-avx512-bf16dot"
+    assert kernel_numerics(None, "int8", torch.bfloat16, cpu) == ":qk2-avx512-f32"
+    assert kernel_numerics({"w": Q4_0}, None, torch.float32, cpu) == ":qk2-avx512-f32"
+    assert kernel_numerics({}, None, torch.bfloat16, cpu) == kernel_numerics(None, None, torch.bfloat16, cpu) == ""
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk2-avx512-f32"
+    monkeypatch.setattr(native, "_select", lambda: (None, "ENGINE_NATIVE=0"))
+    assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk2-dense"

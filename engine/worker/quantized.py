@@ -32,6 +32,9 @@ METHODS = {"int4": Q4_1, "int8": Q8_0}
 # Part of the model fingerprint of a checkpoint quantized at load: bump it whenever quantize()
 # rounds differently, so KV stored under the old rounding never matches.
 QUANTIZER_VERSION = 1
+# Part of the fingerprint of every model with quantized weights: bump it whenever the kernel's
+# arithmetic changes (a KV store entry or a peer computed the old way must never match).
+KERNEL_VERSION = 2
 ROWS_AT_A_TIME = 4096  # quantize/dequantize whole tensors in slices: float32 temporaries stay small
 
 
@@ -208,6 +211,24 @@ def widen_modules(model: nn.Module, dtype: torch.dtype) -> None:
         dense.weight = weight
         parent_path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_path), attr, dense)
+
+
+def kernel_numerics(stored: dict[str, int] | None, method: str | None, dtype: torch.dtype,
+                    device: torch.device) -> str:
+    """The fingerprint's word on how this instance multiplies quantized weights ("" without
+    any): the kernel's version and way (csrc/cpu/quant_linear.h: bf16 dot products, or float32
+    on an ISA's vectors), or "dense" where they are dequantized at load. KV computed one way
+    is never handed to, or read back by, an instance computing another."""
+    from engine.worker import native
+    types = set((stored or {}).values()) | ({METHODS[method]} if method in METHODS else set())
+    if not types:
+        return ""
+    isa = native._select()[0] if device.type == "cpu" else None
+    if isa is None:
+        return f":qk{KERNEL_VERSION}-dense"
+    bf16_dot = (isa == "avx512" and dtype == torch.bfloat16 and bool(types & {Q4_0, Q4_1})
+                and "avx512_bf16" in native.cpu_flags())
+    return f":qk{KERNEL_VERSION}-{isa}-{'bf16dot' if bf16_dot else 'f32'}"
 
 
 def quantized_targets(model: nn.Module, stored: dict[str, int] | None, method: str | None) -> dict[str, int]:
