@@ -23,7 +23,7 @@ from engine.errors import InvalidRequestError, PrefillElsewhere
 from engine.engine_core import EngineCore
 from engine.kv_transfer.params import KVTransferParamsError
 from engine.ipc import (Ack, AbortRequests, AddRequest, EngineDead, EngineInfo, EngineStats, Outputs, ReleaseOffer,
-                        Shutdown, StopSequences, TierStats, ToCore, WithdrawOffers, remove_ipc_dir)
+                        Shutdown, StopSequences, TierStats, ToCore, remove_ipc_dir)
 from engine.outputs import EngineCoreOutput
 
 logger = logging.getLogger("engine.core")
@@ -170,8 +170,6 @@ def _loop(core: EngineCoreProc, pull, push, encoder, decoder, parent_pid: int) -
                 core.engine.abort_request(msg.request_ids)
             elif isinstance(msg, StopSequences):
                 core.engine.stop_sequences(msg.sequence_ids)
-            elif isinstance(msg, WithdrawOffers):
-                core.engine.withdraw_offers(msg.sequence_ids)
             elif isinstance(msg, ReleaseOffer):
                 try:
                     core.engine.release_offer(msg.kv_transfer_params)

@@ -22,7 +22,7 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.ipc import (IPC_DIR_PREFIX, AbortRequests, Ack, AddRequest, EngineDead, EngineInfo, EngineStats,
-                        FromCore, Outputs, ReleaseOffer, Shutdown, StopSequences, WithdrawOffers, remove_ipc_dir,
+                        FromCore, Outputs, ReleaseOffer, Shutdown, StopSequences, remove_ipc_dir,
                         remove_stale_ipc_dirs)
 from engine.kv_transfer.params import KVTransferParams
 from engine.output_processor import OutputKind, OutputProcessor
@@ -193,8 +193,6 @@ class AsyncEngineClient:
             self._push.send(self._encoder.encode(StopSequences(processed.stop)))
         if processed.abort:
             self._push.send(self._encoder.encode(AbortRequests(processed.abort)))
-        if processed.withdraw:
-            self._push.send(self._encoder.encode(WithdrawOffers(processed.withdraw)))
         for out in processed.outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:

@@ -32,6 +32,7 @@ from engine.kv_transfer.params import (
     KVTransferParamsError,
     check_kv_transfer_params_signature,
     parse_kv_transfer_params,
+    sign_kv_transfer_params,
 )
 from engine.kv_transfer.stores import ChunkFormat, parse_store_spec
 from engine.kv_transfer.tiered import TieredConnectorScheduler
@@ -42,7 +43,7 @@ from engine.request_ids import sequence_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.worker import loader
-from engine.worker.quantized import METHODS, QUANTIZER_VERSION
+from engine.worker.quantized import METHODS, QUANTIZER_VERSION, kernel_numerics
 from engine.worker.backends import KV_LAYOUT
 from engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine.worker.models import ModelConfig, model_config_from_hf
@@ -100,6 +101,10 @@ class EngineCore:
         # dtype are compatible.)
         # So is quantization made at load (a .gguf's blocks are in its converted files, hashed).
         quantized = f":{config.quantization}-v{QUANTIZER_VERSION}" if config.quantization in METHODS else ""
+        # And how quantized weights are multiplied (kernel version and way: the same weights give
+        # KV that differs in its last bits between them).
+        quantized += kernel_numerics(loader.stored_block_types(model_dir), config.quantization, dtype,
+                                     resolve_device(config.device))
         self.fingerprint = (f"{loader.model_fingerprint(model_dir)}{quantized}:{dtype}:bs{config.block_size}:"
                             f"{KV_LAYOUT}")
         self.engine_id = uuid.uuid4().hex[:12]
@@ -318,12 +323,6 @@ class EngineCore:
         self.scheduler.withdraw_kv(seq_id)
         return held
 
-    def withdraw_offers(self, seq_ids: list[str]) -> None:
-        """The front end found a prefill instance's answer final (stop strings in every first
-        token): the KV it offered is freed as soon as the worker lets go."""
-        for seq_id in seq_ids:
-            self.scheduler.withdraw_kv(seq_id)
-
     def _end_sequence(self, seq_id: str) -> None:
         request_id = self._request_of.pop(seq_id, None)
         request = self._requests.get(request_id) if request_id is not None else None
@@ -385,15 +384,19 @@ class EngineCore:
 
     def _hand_off(self, request: _EngineRequest) -> KVTransferParams | None:
         """A prefill instance's request has its first tokens: the signed parameters a decode
-        instance continues it from. If every sequence ended with its first token, the answer is
-        final here and the KV offered is withdrawn; the first tokens still go along (a list of
-        prompts may continue in part)."""
+        instance continues it from. If every sequence ended with its first token (max_tokens,
+        EOS), the answer is final here, but the prompt's KV stays on offer under its lease: vLLM's
+        routers ask a prefill instance for one token and then send the decode instance the
+        client's own request. Those parameters carry no first tokens (they were sampled with the
+        router's parameters, not the client's): the decode instance samples its own. Our proxy
+        releases the offer of a final answer at once."""
         hand_off = request.hand_off
         if len(hand_off.first) < len(request.sequence_ids):
             return None  # some sequence ended without a token (an error, an abort)
+        if not hand_off.continuing and hand_off.offer is not None:
+            return sign_kv_transfer_params(hand_off.offer, self.config.kv_secret,
+                                           self.scheduler.connector.params_ttl_s)
         offer = hand_off.offer if hand_off.continuing else None
-        if offer is None:
-            self.scheduler.withdraw_kv(request.sequence_ids[0])
         first = [hand_off.first[i] for i in range(len(request.sequence_ids))]
         return hand_off_params(offer, hand_off.prompt_token_ids, [t for t, _ in first], [e for _, e in first],
                                self.config.kv_secret, self.scheduler.connector.params_ttl_s)

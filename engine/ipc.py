@@ -91,19 +91,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-class WithdrawOffers(msgspec.Struct, tag="withdraw"):
-    """A prefill instance's answer turned out final in the front end: the KV offers of these
-    sequences are withdrawn (engine/kv_transfer/first_token.py)."""
-    sequence_ids: list[str]
-
-
 class ReleaseOffer(msgspec.Struct, tag="release"):
     """A router will not use a hand-off it was given (its client left, or no decode instance
     took it): the KV these signed parameters offer is freed now, not when the lease ends."""
     kv_transfer_params: KVTransferParams
 
 
-ToCore = AddRequest | AbortRequests | StopSequences | WithdrawOffers | ReleaseOffer | Shutdown
+ToCore = AddRequest | AbortRequests | StopSequences | ReleaseOffer | Shutdown
 
 
 # ---- core -> server -------------------------------------------------------------------

@@ -79,6 +79,4 @@ class LLMEngine:
             self.core.stop_sequences(processed.stop)
         if processed.abort:
             self.core.abort_request(processed.abort)
-        if processed.withdraw:
-            self.core.withdraw_offers(processed.withdraw)
         return processed.outputs

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.kv_transfer.first_token import final_params
+from engine.kv_transfer.first_token import without_first_tokens
 from engine.kv_transfer.params import KVTransferParams
 from engine.kv_transfer.secret import KVSecret
 from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
@@ -83,7 +83,6 @@ class Processed:
     outputs: list[RequestOutput]
     stop: list[str]      # sequences a stop string ended: the core stops them
     abort: list[str]     # sequences whose output could not be processed: the core aborts them
-    withdraw: list[str]  # a prefill instance's sequences whose KV nobody will continue from
 
 
 class OutputProcessor:
@@ -138,7 +137,7 @@ class OutputProcessor:
         return len(self._requests) + len(self._request_of)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> Processed:
-        result = Processed([], [], [], [])
+        result = Processed([], [], [])
         touched: dict[str, _Request] = {}
         for out in core_outputs:
             request_id = self._request_of.get(out.req_id)
@@ -159,7 +158,7 @@ class OutputProcessor:
         for request in touched.values():
             finished = request.finished
             if finished:
-                result.withdraw += self._settle_hand_off(request)
+                self._settle_hand_off(request)
             if request.kind is not OutputKind.FINAL_ONLY or finished:
                 result.outputs.append(self._make_output(request, finished))
             if finished:
@@ -202,18 +201,18 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         return False
 
-    def _settle_hand_off(self, request: _Request) -> list[str]:
+    def _settle_hand_off(self, request: _Request) -> None:
         """A prefill instance's request whose first tokens all ended their sequences here (stop
-        strings the core cannot see): the answer is final, the KV offer is withdrawn and the
-        parameters keep only the first tokens. Returns the sequences whose offer to withdraw."""
+        strings the core cannot see): the answer is final; the KV stays on offer (as the core
+        leaves it when max_tokens or EOS ends the answer) and the parameters lose the first
+        tokens, which a decode instance given the client's own request samples itself."""
         params = request.kv_transfer_params
         offers = params is not None and (params.do_remote_prefill or params.kv_store_tokens > 0)
         if not offers or params.first_token_ids is None:
-            return []
+            return
         if any(s.finish_reason == HANDED_OFF for s in request.sequences.values()):
-            return []
-        request.kv_transfer_params = final_params(params, self.kv_secret)
-        return list(request.sequences)
+            return
+        request.kv_transfer_params = without_first_tokens(params, self.kv_secret)
 
     def _make_output(self, request: _Request, finished: bool) -> RequestOutput:
         outputs = []

@@ -406,8 +406,8 @@ class Scheduler:
                 or self.connector.has_pending_metadata())
 
     def withdraw_kv(self, req_id: str) -> None:
-        """A handed-off request turned out final (a stop string in its first token, or every
-        sequence of its group ended): the KV it offers is freed as soon as the worker lets go."""
+        """Nobody will pull the KV this request offers (a router released it, or it was aborted):
+        it is freed as soon as the worker lets go."""
         request = self.held.get(req_id)
         if request is not None and not self.connector.withdraw(req_id):
             del self.held[req_id]

@@ -1,15 +1,17 @@
 """OpenAI-compatible request and response bodies (pydantic), with vLLM's extra fields."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import time
+import typing
 import uuid
 from typing import Any, ClassVar, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
@@ -115,12 +117,50 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StreamOptions(BaseModel):
+class _RequestModel(BaseModel):
+    """A request body (or part of one): an explicit null means the field's default, as in
+    OpenAI's API and vLLM (clients and routers send nulls for unset fields: vLLM's own proxy
+    sends ``min_tokens: null``). Fields that can hold None keep it (it is their default's
+    meaning there); a required field's null stays an error. The JSON schema says so too, so
+    schema-driven clients and fuzzers send those nulls."""
+
+    model_config = ConfigDict(json_schema_extra=lambda schema, model: _nullable_in_schema(schema, model))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _defaulted_when_null(cls)
+        return {name: value for name, value in data.items() if value is not None or name not in defaulted}
+
+
+def _nullable_in_schema(schema: dict, model: type[BaseModel]) -> None:
+    properties = schema.get("properties", {})
+    for name in _defaulted_when_null(model):
+        if name in properties and "anyOf" not in properties[name]:
+            prop = properties[name]
+            kept = {key: prop.pop(key) for key in ("default", "title", "description") if key in prop}
+            properties[name] = {"anyOf": [prop, {"type": "null"}], **kept}
+
+
+@functools.cache
+def _defaulted_when_null(model: type[BaseModel]) -> frozenset[str]:
+    """Names (and aliases) of a model's optional fields whose type has no None."""
+    names = set()
+    for name, field in model.model_fields.items():
+        nullable = field.annotation in (Any, type(None)) or type(None) in typing.get_args(field.annotation)
+        if not field.is_required() and not nullable:
+            names.update({name, field.alias} - {None})
+    return frozenset(names)
+
+
+class StreamOptions(_RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # not implemented: true is refused (UNIMPLEMENTED_FIELDS)
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_RequestModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
     name: str | None = None
     description: str | None = None
@@ -128,7 +168,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # the schema is always enforced exactly, strict or not
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_RequestModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -162,7 +202,7 @@ def _is_inert(value: object, inert: tuple) -> bool:
                                 for v in inert if v is not None)
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_RequestModel):
     # Unknown fields are accepted (and ignored) like vLLM; wrong types of known ones are a 400;
     # known fields this server does not implement are a 400 unless inert (UNIMPLEMENTED_FIELDS).
     model_config = ConfigDict(extra="allow")
@@ -272,7 +312,7 @@ class CompletionRequest(_SamplingFields):
     _INERT_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, True)}
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_RequestModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None

@@ -217,13 +217,16 @@ class Proxy:
         """Tells a prefill instance that its hand-off will not be used, so it frees that KV now
         rather than holding it for the whole lease (not awaited: nothing waits for it)."""
         async def post() -> None:
-            try:
-                resp = await self.http.post(f"{prefill.url}/v1/kv/release", json={"kv_transfer_params": params},
-                                            headers=headers, timeout=5)
-                if resp.status_code != 202:
-                    logger.warning("prefill %s refused a KV release: %s", prefill.url, resp.text[:200])
-            except httpx.HTTPError as exc:  # it frees the KV when the lease ends anyway
-                logger.warning("KV release to prefill %s failed: %s", prefill.url, exc)
+            for one in params if isinstance(params, list) else [params]:  # one per prompt of a list
+                if not one.get("do_remote_prefill"):
+                    continue  # nothing on offer (e.g. only first tokens)
+                try:
+                    resp = await self.http.post(f"{prefill.url}/v1/kv/release", json={"kv_transfer_params": one},
+                                                headers=headers, timeout=5)
+                    if resp.status_code != 202:
+                        logger.warning("prefill %s refused a KV release: %s", prefill.url, resp.text[:200])
+                except httpx.HTTPError as exc:  # it frees the KV when the lease ends anyway
+                    logger.warning("KV release to prefill %s failed: %s", prefill.url, exc)
         task = asyncio.ensure_future(post())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -272,6 +275,7 @@ class Proxy:
         params = answer.pop("kv_transfer_params")
         first = FirstTokens(answer, chat=path.endswith("chat/completions"))
         if first.final:  # every sequence ended with its first token: P's answer is the answer
+            self.release(prefilled_on, params, headers)  # P keeps it on offer for vLLM's routers
             if body.get("stream"):
                 include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
                     "include_usage")

@@ -510,3 +510,76 @@ def test_a_decode_stream_leaves_out_the_first_tokens_only_when_told(pd, colocate
         first = p["choices"][0]["text"]
         assert (first + text if told else text) == want, told
         assert events[-1]["usage"]["completion_tokens"] == 6
+
+
+# ---- behind vLLM's routers (issue 28) -------------------------------------------------------
+
+def _vllm_router(pd, path: str, body: dict, stream: bool) -> httpx.Response:
+    """What vLLM's toy P/D proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py)
+    and llm-d's routing sidecar do with a client's request: P gets it with vLLM's own
+    kv_transfer_params (nulls included), stream false, one token and min_tokens null; D gets the
+    client's request with the kv_transfer_params of P's answer, streamed as the client asked.
+    Both get the router's request id. (Written from their behaviour, not their code.)"""
+    request_id = f"router-{random.randrange(2**63)}"
+    p_body = {**body, "stream": False, "max_tokens": 1, "min_tokens": None,
+              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    if "max_completion_tokens" in body:
+        p_body["max_completion_tokens"] = 1
+    p_body.pop("stream_options", None)
+    headers = {"X-Request-Id": request_id, "Authorization": "Bearer x"}
+    p_answer = httpx.post(f"{pd.prefill.url}{path}", json=p_body, headers=headers, timeout=60)
+    assert p_answer.status_code == 200, p_answer.text
+    params = p_answer.json()["kv_transfer_params"]
+    for one in params if isinstance(params, list) else [params]:  # answered in vLLM's words too
+        assert one["do_remote_prefill"] and one["remote_host"] and one["remote_port"] and one["remote_block_ids"]
+    return httpx.post(f"{pd.decode.url}{path}", json={**body, "stream": stream, "kv_transfer_params": params},
+                      headers=headers, timeout=60)
+
+
+def _answer_of(resp: httpx.Response, stream: bool) -> tuple[list[str], int, int]:
+    """(text per choice, prompt tokens, cached prompt tokens) of a completion or chat answer."""
+    assert resp.status_code == 200, resp.text
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: {")] if stream else [resp.json()]
+    texts: dict[int, str] = {}
+    for event in events:
+        for c in event["choices"]:
+            piece = c.get("text") if "text" in c else (c.get("delta") or c.get("message") or {}).get("content")
+            texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+    usage = events[-1]["usage"]
+    return [texts[i] for i in sorted(texts)], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_routers_drive_prefill_and_decode(pd, colocated, path, stream):
+    """With vLLM's P/D protocol (one token from P, the client's request to D with P's params),
+    D loads the prompt's KV (>= 90% of each long prompt cached: every case has prompts D never
+    saw) and answers exactly as a colocated engine does, for n > 1 and (completions) a prompt
+    list too; nothing stays held."""
+    rng = random.Random(f"{path}{stream}")
+    chat = path.endswith("chat/completions")
+
+    def fresh_prompt() -> str:
+        return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"]) for _ in range(260))
+
+    cases = [{"n": 1}, {"n": 2}] + ([] if chat else [{"prompt": [fresh_prompt(), fresh_prompt()]}])
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for extra in cases:
+        words = fresh_prompt()
+        body = ({"messages": [{"role": "user", "content": words}]} if chat else {"prompt": words})
+        body = {**body, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra,
+                **({"stream_options": {"include_usage": True}} if stream else {})}
+        if chat:
+            body["max_completion_tokens"] = 12
+        texts, prompt_tokens, cached = _answer_of(_vllm_router(pd, path, body, stream), stream)
+        # The oracle: the colocated engine (n greedy samples are n equal texts).
+        if chat:
+            want = [colocated.chat(body["messages"], greedy, use_tqdm=False)[0].outputs[0].text] * extra["n"]
+        else:
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]] * extra.get("n", 1)
+            want = [o.outputs[0].text for o in colocated.generate(prompts, greedy, use_tqdm=False)]
+        assert texts == want and all(texts), extra
+        assert cached >= 0.9 * prompt_tokens, (cached, prompt_tokens, extra)
+        pd.wait_idle()

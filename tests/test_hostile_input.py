@@ -153,6 +153,45 @@ def test_fields_this_server_does_not_implement_are_refused_by_name(server, path,
         assert _post(server, path, {**body, "max_tokens": 2, field: inert}).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_null_means_the_default_for_every_optional_field(server, path, stream):
+    """Issue 28: clients and routers send explicit nulls for unset fields (vLLM's toy proxy
+    sends min_tokens: null); each means the field's default, and the answer is the one without it."""
+    from entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+    model = CompletionRequest if path == "/v1/completions" else ChatCompletionRequest
+    base = ({"prompt": CANONICAL["prompt"]} if model is CompletionRequest
+            else {"messages": [{"role": "user", "content": CANONICAL["prompt"]}]})
+    base = {**base, **{k: v for k, v in CANONICAL.items() if k != "prompt"}, "stream": stream}
+    nulls = {name: None for name in model.model_fields if name not in base and name != "request_id"}
+    assert {"min_tokens", "n", "presence_penalty", "skip_special_tokens", "stream_options"} <= set(nulls)
+    answers = []
+    for body in (base, {**base, **nulls}):
+        resp = _post(server, path, body)
+        assert resp.status_code == 200, resp.text
+        answers.append(_text_of(resp, stream))
+    assert answers[0] == answers[1] and answers[0]
+    nested = {**base, "stream_options": {"include_usage": None, "continuous_usage_stats": None},
+              "stream": None, "response_format": {"type": "text", "json_schema": None}}
+    resp = _post(server, path, nested)
+    assert resp.status_code == 200, resp.text
+    assert _text_of(resp, False) == answers[0]  # stream: null is not streamed
+    _error(_post(server, path, {**base, ("prompt" if model is CompletionRequest else "messages"): None}), 400,
+           "prompt" if model is CompletionRequest else "messages")
+
+
+def _text_of(resp: httpx.Response, stream: bool) -> str:
+    if not stream:
+        choice = resp.json()["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+    text = ""
+    for line in resp.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text
+
+
 def test_top_logprobs_needs_logprobs(server):
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for top in (0, 2):

@@ -79,10 +79,12 @@ def test_one_requests_failure_ends_only_that_request(tokenizer, monkeypatch):
     assert by_id["bad"].outputs[0].finish_reason == "error" and "tokenizers says no" in by_id["bad"].error
 
 
-def test_a_prefill_answer_made_final_by_a_stop_string_withdraws_its_offer(tokenizer):
+def test_a_prefill_answer_made_final_by_a_stop_string_keeps_its_offer_without_first_tokens(tokenizer):
     """P's core hands off (the first token did not end the sequence there), but the front end
-    finds a stop string in it: the answer is final, the offer is withdrawn, and the parameters
-    keep only the first tokens, signed again with the same expiry."""
+    finds a stop string in it: the answer is final for this client. The KV stays on offer (a
+    vLLM-style router sends D the client's own request next) and the parameters lose the first
+    tokens (sampled with the router's parameters: D samples its own), signed again with the same
+    expiry."""
     secret = KVSecret(b"s" * 32)
     processor = OutputProcessor(tokenizer, secret)
     prompt = ids(tokenizer, "Count:")
@@ -94,11 +96,11 @@ def test_a_prefill_answer_made_final_by_a_stop_string_withdraws_its_offer(tokeni
                           OutputKind.FINAL_ONLY)
     processed = processor.process([EngineCoreOutput("p", [first], finish_reason="handed_off",
                                                      kv_transfer_params=signed)])
-    assert processed.withdraw == ["p"]
     (out,) = processed.outputs
     assert out.outputs[0].finish_reason == "stop"
     params = out.kv_transfer_params
-    assert not params.do_remote_prefill and params.first_token_ids == [first]
+    assert params.do_remote_prefill and params.remote_request_id == "p" and params.token_digest == offer.token_digest
+    assert params.first_token_ids is None and params.first_tokens_digest is None and params.first_logprobs is None
     assert params.expires_at == signed.expires_at
     check_kv_transfer_params_signature(params, secret)  # raises if it does not verify
 
@@ -111,7 +113,7 @@ def test_a_continuing_hand_off_keeps_its_offer(tokenizer):
     signed = hand_off_params(offer, prompt, [100], [None], None, 30.0)
     processor.add_request("p", None, prompt, SamplingParams(max_tokens=10), OutputKind.FINAL_ONLY)
     processed = processor.process([EngineCoreOutput("p", [100], finish_reason="handed_off", kv_transfer_params=signed)])
-    assert processed.withdraw == [] and processed.outputs[0].kv_transfer_params == signed
+    assert processed.outputs[0].kv_transfer_params == signed
     assert processed.outputs[0].outputs[0].finish_reason is None  # not finished for the client
 
 

@@ -5,9 +5,12 @@
    "hands off": ``Request.hands_off``), offers the prompt's KV under a lease, and signs
    ``kv_transfer_params`` carrying those tokens, their logprob entries and a digest of the prompt
    (``hand_off_params``).
-2. P's front end detokenizes the first tokens. If a stop string ended every sequence, the answer
-   is final: the offer is withdrawn and the parameters keep only the first tokens
-   (``final_params``; a list of prompts may continue in part, so they still go along).
+2. P's front end detokenizes the first tokens. If every sequence ended with its first token
+   (max_tokens, EOS, or a stop string), the answer is final. The prompt's KV stays on offer
+   under its lease all the same, as vLLM's prefill keeps it: vLLM's routers ask P for one token
+   and send D the client's own request. Those parameters carry no first tokens
+   (``without_first_tokens``: they were sampled with the router's parameters, not the client's),
+   so D samples its own. Our proxy answers from P's final answer and releases the offer.
 3. The proxy shows the first tokens to a streaming client at once and sends the decode
    instance (D) the original request with P's parameters, saying whether the client was shown
    them (the ``FIRST_TOKENS_SHOWN`` header).
@@ -34,7 +37,7 @@ Entries = list[tuple[int, float, int]]
 def hand_off_params(offer: KVTransferParams | None, prompt_token_ids: list[int], first_token_ids: list[int],
                     first_logprobs: list[Entries | None], secret: KVSecret | None, ttl_s: float) -> KVTransferParams:
     """P: the signed parameters D continues from (``offer``: where the KV can be pulled, or None
-    when every sequence ended with its first token and nothing is offered)."""
+    when this instance offers none)."""
     params = msgspec.structs.replace(
         offer or KVTransferParams(), first_token_ids=list(first_token_ids),
         first_tokens_digest=token_digest(prompt_token_ids),
@@ -42,12 +45,11 @@ def hand_off_params(offer: KVTransferParams | None, prompt_token_ids: list[int],
     return sign_kv_transfer_params(params, secret, ttl_s)
 
 
-def final_params(params: KVTransferParams, secret: KVSecret | None) -> KVTransferParams:
-    """P's front end found the answer final (stop strings): the first tokens alone, with the
-    same expiry, signed again."""
-    first_only = KVTransferParams(first_token_ids=params.first_token_ids, first_tokens_digest=params.first_tokens_digest,
-                                  first_logprobs=params.first_logprobs)
-    return sign_until(first_only, secret, params.expires_at)
+def without_first_tokens(params: KVTransferParams, secret: KVSecret | None) -> KVTransferParams:
+    """P's front end found the answer final (stop strings): the offer alone, with the same
+    expiry, signed again."""
+    offer = msgspec.structs.replace(params, first_token_ids=None, first_logprobs=None, first_tokens_digest=None)
+    return sign_until(offer, secret, params.expires_at)
 
 
 def first_tokens_for(params: KVTransferParams | None, sampling: SamplingParams, prompt_token_ids: list[int],

@@ -11,9 +11,12 @@ blocks. The producer frees its copy only once the transfer is done or its lease 
 The producer samples the request's first token itself (``Request.hands_off``): its KV goes on
 offer in the very step that computes the prompt's last token (the send is in that step's
 metadata, registered after the forward pass, so before anyone can learn the parameters), and the
-request ends handed off. The engine may still find the first token final (a stop string, or all
-``n`` sequences ended) and ``withdraw`` the offer. The consumer starts from the prompt plus that
-token, so it loads the whole prompt's KV and recomputes nothing.
+request ends handed off. If the first token ends the answer (max_tokens, EOS, a stop string),
+the offer stays under its lease all the same, for a router that sends the consumer the client's
+own request next (vLLM's routers ask the producer for one token); those parameters carry no
+first token. The consumer starts from the prompt plus the first token when it has one, so it
+loads the whole prompt's KV and recomputes nothing; without one it recomputes the last prompt
+token.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from engine.config import KVTransferConfig
 from engine.ipc import remove_stale_socket
@@ -226,10 +231,16 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                                   RequestStatus.FINISHED_STOPPED):
             self.withdraw(req_id)  # aborted or failed: nobody will be told where the KV is
             return True, None
-        return True, KVTransferParams(
+        params = KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_kv_addr=self.advertised_addr,
             remote_host_id=host_id(), remote_request_id=req_id, num_tokens=request.num_prompt_tokens,
             token_digest=self._offered[req_id])
+        if request.kv_transfer_params.vllm_names:  # asked in vLLM's shape: answered in it too
+            host, port = self.advertised_addr.removeprefix("tcp://").rsplit(":", 1)
+            params = msgspec.structs.replace(
+                params, remote_host=host.strip("[]"), remote_port=int(port),
+                remote_block_ids=list(block_ids[:-(-request.num_prompt_tokens // self.block_size)]))
+        return True, params
 
     def num_tracked_requests(self) -> int:
         return len(self._loading) + len(self._consumed) + len(self._producing) + len(self._offered)

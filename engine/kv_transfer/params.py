@@ -26,6 +26,8 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
 MAX_SEQUENCES = 1024  # first tokens: one per sequence (n), far above any --max-num-seqs
 MAX_LOGPROB_ENTRIES = 21  # the sampled token and up to 20 top logprobs
+MAX_BLOCK_IDS = 65536  # remote_block_ids: a 1M-token prompt in 16-token blocks
+VLLM_NAMES = ("remote_host", "remote_port", "remote_block_ids")
 _FAULT = re.compile(r"drop|truncate|duplicate|reorder|corrupt|bad_dtype|bad_shape|delay=(60(\.0+)?|[1-5]?\d(\.\d+)?)")
 _KV_ADDR = re.compile(r"^tcp://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 
@@ -68,6 +70,17 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
     inject_fault: ShortStr | None = None  # test hook, honoured only with ENGINE_ALLOW_KV_FAULTS=1
     expires_at: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0  # unix seconds; part of what is signed
     signature: ShortStr | None = None  # hex HMAC-SHA256 (key "params") of the other fields
+    # vLLM's names for the same hand-off, so its routers (which send them as nulls to a prefill
+    # instance and pass its answer on to a decode instance) read a familiar shape. A prefill
+    # instance fills them beside its own fields (remote_kv_addr's host and port, the blocks that
+    # hold the prompt) only when asked in that shape (``vllm_names``, set by parsing a request
+    # that names any of them): an instance of the previous release refuses fields it does not
+    # know. A decode instance here acts on remote_kv_addr. Last, so that signatures over the
+    # fields before them keep their form.
+    remote_host: ShortStr | None = None
+    remote_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    remote_block_ids: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_BLOCK_IDS)] | None = None
+    vllm_names: bool = False
 
     @property
     def acts_on_remote_kv(self) -> bool:
@@ -109,7 +122,7 @@ def parse_kv_transfer_params(value: object) -> KVTransferParams | None:
         raise KVTransferParamsError(f"kv_transfer_params must be an object, got {type(value).__name__}",
                                     "kv_transfer_params")
     try:
-        return msgspec.convert(value, KVTransferParams)
+        params = msgspec.convert(value, KVTransferParams)
     except msgspec.ValidationError as exc:
         message = str(exc)
         field = re.search(r"at `\$\.(\w+)", message) or re.search(r"unknown field `(\w+)`", message)
@@ -118,6 +131,11 @@ def parse_kv_transfer_params(value: object) -> KVTransferParams | None:
             param = message.split(" ", 1)[0]
         raise KVTransferParamsError(message if message.startswith("kv_transfer_params") else
                                     f"{param}: {message}", param) from None
+    if params.do_remote_decode and not params.vllm_names and any(name in value for name in VLLM_NAMES):
+        # A prefill request in vLLM's shape: answered in vLLM's words too. (Only there: a
+        # hand-off's fields are signed as they came.)
+        params = msgspec.structs.replace(params, vllm_names=True)
+    return params
 
 
 # Slack on the expiry for clocks that differ between hosts.
