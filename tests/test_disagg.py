@@ -436,7 +436,7 @@ def _stream_text(resp: httpx.Response) -> tuple[list[dict], str]:
 def test_a_first_token_that_ends_the_answer_never_reaches_decode(pd, colocated):
     """Issue 13: P samples the first token with the client's parameters; when it ends the answer
     (max_tokens 1, a stop string in it, EOS), P's answer is the answer: D is never called and P
-    frees the KV at once (not after its 30 s lease)."""
+    frees the KV at once when the proxy releases it (not after its 30 s lease)."""
     prompt = "The first token decides"
     greedy = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
     stop = greedy.text.strip()[:2] or greedy.text
@@ -458,7 +458,7 @@ def test_a_first_token_that_ends_the_answer_never_reaches_decode(pd, colocated):
                 assert "kv_transfer_params" not in body
             assert (text, reasons) == (want.text, [want.finish_reason]), extra
             assert usage["completion_tokens"] == 1
-            pd.prefill.wait_idle(timeout=5)  # withdrawn, not expired: no KV held
+            pd.prefill.wait_idle(timeout=5)  # released by the proxy, not expired: no KV held
     assert _prompt_tokens_accepted(pd.decode) == d_tokens  # D never saw a request
 
 

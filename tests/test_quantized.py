@@ -72,7 +72,9 @@ def test_quantize_refuses_what_it_cannot_make():
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(qtype=st.sampled_from(TYPES), dtype=st.sampled_from(DTYPES), m=st.one_of(st.integers(0, 9), st.sampled_from([17, 70])),
        n=st.integers(1, 40),
-       groups=st.integers(1, 6), pad=st.integers(0, 3), seed=st.integers(0, 2**32 - 1))
+       # Past 16 blocks (the Q4_1 minimums' full vectors) and past 64 (a second stage of scales).
+       groups=st.one_of(st.integers(1, 6), st.sampled_from([16, 17, 65, 80])), pad=st.integers(0, 3),
+       seed=st.integers(0, 2**32 - 1))
 def test_native_kernels_equal_the_reference(isa, qtype, dtype, m, n, groups, pad, seed):
     ops = native.load(isa)
     rng = np.random.default_rng(seed)
