@@ -218,7 +218,7 @@ class Proxy:
         rather than holding it for the whole lease (not awaited: nothing waits for it)."""
         async def post() -> None:
             for one in params if isinstance(params, list) else [params]:  # one per prompt of a list
-                if not one.get("do_remote_prefill"):
+                if not isinstance(one, dict) or not one.get("do_remote_prefill"):
                     continue  # nothing on offer (e.g. only first tokens)
                 try:
                     resp = await self.http.post(f"{prefill.url}/v1/kv/release", json={"kv_transfer_params": one},

@@ -32,7 +32,7 @@ import msgspec
 from engine.config import KVTransferConfig
 from engine.ipc import remove_stale_socket
 from engine.kv_transfer.base import KVConnectorScheduler
-from engine.kv_transfer.params import KVTransferParams, token_digest
+from engine.kv_transfer.params import MAX_BLOCK_IDS, KVTransferParams, token_digest
 from engine.outputs import SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -237,9 +237,10 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             token_digest=self._offered[req_id])
         if request.kv_transfer_params.vllm_names:  # asked in vLLM's shape: answered in it too
             host, port = self.advertised_addr.removeprefix("tcp://").rsplit(":", 1)
-            params = msgspec.structs.replace(
+            blocks = list(block_ids[:-(-request.num_prompt_tokens // self.block_size)])
+            params = msgspec.structs.replace(  # (a block list past what a peer parses is left out)
                 params, remote_host=host.strip("[]"), remote_port=int(port),
-                remote_block_ids=list(block_ids[:-(-request.num_prompt_tokens // self.block_size)]))
+                remote_block_ids=blocks if len(blocks) <= MAX_BLOCK_IDS else None)
         return True, params
 
     def num_tracked_requests(self) -> int:

@@ -215,17 +215,18 @@ def widen_modules(model: nn.Module, dtype: torch.dtype) -> None:
 
 def kernel_numerics(stored: dict[str, int] | None, method: str | None, dtype: torch.dtype,
                     device: torch.device) -> str:
-    """The fingerprint's word on how this instance multiplies quantized weights ("" without
-    any): the kernel's version and way (csrc/cpu/quant_linear.h: bf16 dot products, or float32
-    on an ISA's vectors), or "dense" where they are dequantized at load. KV computed one way
-    is never handed to, or read back by, an instance computing another."""
+    """The fingerprint's word on how this instance multiplies quantized weights: the kernel's
+    version and way (csrc/cpu/quant_linear.h: bf16 dot products, or float32 on an ISA's
+    vectors); "" without quantized weights or where they are dequantized at load (dense, as any
+    float model: no kernel version to follow). KV computed one way is never handed to, or read
+    back by, an instance computing another."""
     from engine.worker import native
     types = set((stored or {}).values()) | ({METHODS[method]} if method in METHODS else set())
     if not types:
         return ""
     isa = native._select()[0] if device.type == "cpu" else None
-    if isa is None:
-        return f":qk{KERNEL_VERSION}-dense"
+    if isa is None or not hasattr(native.load(isa), "quant_linear"):  # dense (model_runner._quantize)
+        return ""
     bf16_dot = (isa == "avx512" and dtype == torch.bfloat16 and bool(types & {Q4_0, Q4_1})
                 and "avx512_bf16" in native.cpu_flags())
     return f":qk{KERNEL_VERSION}-{isa}-{'bf16dot' if bf16_dot else 'f32'}"
