@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -403,6 +404,8 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
   });
 }
 
+#include "decoder.h"  // decoder_layers: the ops above, a whole decoder at a time
+
 }  // namespace
 }  // namespace engine_cpu
 
@@ -416,6 +419,9 @@ TORCH_LIBRARY(ENGINE_OPS_NS, m) {
   m.def("act_and_mul(Tensor(a!) out, Tensor input, int act) -> ()");
   m.def("rope(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor input, Tensor weight, int type) -> ()");
+  m.def("decoder_layers(Tensor x, Tensor(a!) residual, Tensor[] weights, int[] kinds, int[] windows, Tensor cos, "
+        "Tensor sin, Tensor(b!) kv_caches, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
+        "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, int act) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ENGINE_OPS_NS, CPU, m) {
@@ -426,7 +432,11 @@ TORCH_LIBRARY_IMPL(ENGINE_OPS_NS, CPU, m) {
   m.impl("act_and_mul", &engine_cpu::act_and_mul);
   m.impl("rope", &engine_cpu::rope);
   m.impl("quant_linear", &engine_cpu::quant_linear);
+  m.impl("decoder_layers", &engine_cpu::decoder_layers);
 }
+
+// A float32 model's oneDNN-packed weights are MkldnnCPU tensors, which send the whole call there.
+TORCH_LIBRARY_IMPL(ENGINE_OPS_NS, MkldnnCPU, m) { m.impl("decoder_layers", &engine_cpu::decoder_layers); }
 
 #define ENGINE_STR2(x) #x
 #define ENGINE_STR(x) ENGINE_STR2(x)

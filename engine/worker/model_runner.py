@@ -18,7 +18,7 @@ from engine.grammar import bitmask_to_bound
 from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allocate_kv_tensor
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.worker import loader, native
+from engine.worker import fused_decoder, loader, native
 from engine.worker.backends import select_kernels
 from engine.worker.cpu_linear import onednn_available, pack_linears
 from engine.worker.input_batch import InputBatch, RowState
@@ -92,6 +92,7 @@ class ModelRunner:
             pack_modules(model)
         if onednn_available(self.device, self.dtype):
             pack_linears(model)
+        model.fused = fused_decoder.fuse(model, self.kernels)
         self.model = model.eval()
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir.name, self.dtype, self.device,
                     time.perf_counter() - start)

@@ -48,6 +48,7 @@ class LlamaForCausalLM(nn.Module):
     layer_class = DecoderLayer
     norm_class = RMSNorm
     quantize_at_load = False  # --quantization int4/int8: float weights are quantized as they load
+    fused = None  # a FusedDecoder (engine/worker/fused_decoder.py) that runs self.layers in one call
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
@@ -76,9 +77,12 @@ class LlamaForCausalLM(nn.Module):
         # metas: the attention backend's metadata for each sliding window (None: global) the layers use.
         h = self.embed(input_ids)
         rope = rope_for_positions(self.rope_inv_freqs, positions, h.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, kv_caches[i], metas)
+        if self.fused is not None:
+            h, residual = self.fused(h, rope, kv_caches, metas)
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                h, residual = layer(h, residual, rope, kv_caches[i], metas)
         return self.norm.add_norm(h, residual)[0]  # [num_tokens, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
