@@ -298,7 +298,7 @@ def test_without_native_kernels_the_weights_are_dequantized_once_and_say_why(tin
     assert runs["1"][0] == "QuantLinear" and runs["0"][0] != "QuantLinear"
     assert runs["0"][1] == runs["1"][1]  # the same quantized model either way
     # ... whose KV differs in its last bits: peers and stores keep them apart.
-    assert ":qk" not in fingerprints["0"] and ":qk2-" in fingerprints["1"]
+    assert ":qk" not in fingerprints["0"] and ":qk3-" in fingerprints["1"]
 
 
 def test_the_fingerprint_names_the_kernels_way(monkeypatch):
@@ -310,13 +310,13 @@ def test_the_fingerprint_names_the_kernels_way(monkeypatch):
     monkeypatch.setattr(native, "_select", lambda: ("avx512", ""))
     monkeypatch.setattr(native, "load", lambda isa: types.SimpleNamespace(quant_linear=None))  # any CPU
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk2-avx512-bf16dot"
-    assert kernel_numerics(None, "int4", torch.bfloat16, cpu) == ":qk2-avx512-bf16dot"
-    assert kernel_numerics(None, "int8", torch.bfloat16, cpu) == ":qk2-avx512-f32"
-    assert kernel_numerics({"w": Q4_0}, None, torch.float32, cpu) == ":qk2-avx512-f32"
+    assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk3-avx512-bf16dot"
+    assert kernel_numerics(None, "int4", torch.bfloat16, cpu) == ":qk3-avx512-bf16dot"
+    assert kernel_numerics(None, "int8", torch.bfloat16, cpu) == ":qk3-avx512-f32"
+    assert kernel_numerics({"w": Q4_0}, None, torch.float32, cpu) == ":qk3-avx512-f32"
     assert kernel_numerics({}, None, torch.bfloat16, cpu) == kernel_numerics(None, None, torch.bfloat16, cpu) == ""
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f"}))
-    assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk2-avx512-f32"
+    assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk3-avx512-f32"
     monkeypatch.setattr(native, "load", lambda isa: types.SimpleNamespace())  # a build older than the kernel
     assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ""
     monkeypatch.setattr(native, "_select", lambda: (None, "ENGINE_NATIVE=0"))  # dense, as a float model

@@ -384,10 +384,13 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
         if (cpu_has_avx512_bf16()) {  // the bf16 way (quant_linear.h): x as it is
           const int64_t groups = k / kQK, stride = input.stride(0);
           std::vector<float> sums(Type == kQ4_1 ? m * groups : 0);
-          if constexpr (Type == kQ4_1)
-            for (int64_t r = 0; r < m; ++r) block_sums(sums.data() + r * groups, in + r * stride, groups);
+          std::vector<bf16_t> paired(m * k);
+          for (int64_t r = 0; r < m; ++r) {
+            pair_activations(paired.data() + r * k, in + r * stride, k);
+            if constexpr (Type == kQ4_1) block_sums(sums.data() + r * groups, in + r * stride, groups);
+          }
           for_tiles(narrow, [&](auto rc, float* t, int64_t ts, int64_t base, int64_t row, int64_t w0, int64_t w1) {
-            quant_dot_rows_bf16<Type, decltype(rc)::value>(t, ts, base, in + row * stride, stride,
+            quant_dot_rows_bf16<Type, decltype(rc)::value>(t, ts, base, paired.data() + row * k, k,
                                                            sums.data() + (sums.empty() ? 0 : row * groups), k, w,
                                                            w0, w1);
           });

@@ -19,8 +19,8 @@
 //  - bfloat16 dot products (quant_dot_rows_bf16: bf16 activations, Q4 blocks, a CPU with
 //    AVX512-BF16): a nibble's integer is exact in bf16 and so is x, so VDPBF16PS's products are
 //    exact and summed in float32: per block d * sum(x q) (+ m * sum(x) for Q4_1, sum(x) per
-//    block of x in float32). Half the float work per weight of the float32 way, where a
-//    single stream is bound by it.
+//    block of x in float32), two blocks per register. A third of the float32 way's work per
+//    weight, where a single stream is bound by it.
 #pragma once
 
 #include "vec.h"
@@ -155,38 +155,70 @@ inline bool cpu_has_avx512_bf16() {
   return has;
 }
 
-// The bf16 way (see the top of this file), for Q4_0 and Q4_1: out[r][n - base] for rows r < R
-// of x (bf16, row r at x + r * x_stride) and weight rows n in [n0, n1); sums[r][g] = the sum of
-// block g of row r of x, in float32 (Q4_1's minimums multiply it). The same invariant as
-// quant_dot_rows: each row has its own accumulators, fed in the same order, in any batch.
+// The bf16 way (see the top of this file), for Q4_0 and Q4_1, two blocks at a time: one
+// 32-byte load holds blocks A and B's nibbles; vpermw turns their low nibbles into
+// [A 0..15 | B 0..15] and their high nibbles into [A 16..31 | B 16..31], each as 32 bf16
+// integers, so VDPBF16PS's lanes 0-7 sum A's products and lanes 8-15 B's, then one FMA by
+// [d_A x8 | d_B x8]. The activations come with each pair of blocks in that order
+// (pair_activations: [A 0..15, B 0..15, A 16..31, B 16..31]); a row's last block, when its
+// count is odd, alone as [0..31]. out[r][n - base] for rows r < R of x (row r at x + r *
+// x_stride) and weight rows n in [n0, n1); sums[r][g] = the sum of block g of row r of the
+// activations, in float32 (Q4_1's minimums multiply it). The same invariant as quant_dot_rows:
+// each row has its own accumulators, fed in the same order, in any batch.
 template <int Type, int R>
 ENGINE_TARGET_BF16 void quant_dot_rows_bf16(float* out, int64_t out_stride, int64_t base, const bf16_t* x,
                                             int64_t x_stride, const float* sums, int64_t k, const uint8_t* w,
                                             int64_t n0, int64_t n1) {
   static_assert(Type != kQ8_0, "Q8_0 takes the float32 way (a bf16 lookup of its integers measured no faster)");
   // A nibble's bf16 by table lookup: vpermw reads an index's low 5 bits, so entries j and
-  // j + 16 hold the same value and the low nibble needs no mask.
+  // j + 16 hold the same value and a byte's low nibble needs no mask.
   alignas(64) uint16_t table_values[32];
   for (int j = 0; j < 32; ++j) table_values[j] = bf16_bits(float((j & 15) - (Type == kQ4_0 ? 8 : 0)));
   const __m512i table = _mm512_load_si512(table_values);
+  const __m512i pair_scale = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const int64_t groups = k / kQK, row_bytes = groups * block_bytes(Type);
-  alignas(64) float d[kScaleStage], m[kScaleStage];
+  alignas(64) float d[kScaleStage];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* ints = w + n * row_bytes;
-    // Two chains per row, even and odd blocks: a chain waits on one FMA per block, not two.
+    // Two chains per row, alternate pairs of blocks: a chain waits on one FMA per two pairs.
     __m512 acc[2][R];
     UNROLL for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-    for_each_block<Type>(ints, groups, d, m, [&](int64_t j, int64_t g, auto chain) ENGINE_TARGET_BF16 {
-      constexpr int c = decltype(chain)::value;
-      const __m512 scale = _mm512_set1_ps(d[j]);
-      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + g * kQK / 2)));
-      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
-      const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(idx, table);  // the block's 32 weights, in order
+    auto pair = [&](int64_t j, int64_t g, __m512* chain) ENGINE_TARGET_BF16 {
+      const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ints + g * kQK / 2)));
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(idx, 4), table);
+      const __m512 scale = _mm512_permutexvar_ps(
+          pair_scale, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + j)))));
       UNROLL for (int r = 0; r < R; ++r) {
-        const __m512bh xg = (__m512bh)_mm512_loadu_si512(x + r * x_stride + g * kQK);
-        acc[c][r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, xg), scale, acc[c][r]);
+        const bf16_t* xg = x + r * x_stride + g * kQK;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(xg));
+        dot = _mm512_dpbf16_ps(dot, hi, (__m512bh)_mm512_loadu_si512(xg + kQK));
+        chain[r] = _mm512_fmadd_ps(dot, scale, chain[r]);
       }
-    });
+    };
+    for (int64_t g0 = 0; g0 < groups; g0 += kScaleStage) {
+      const int64_t stage = std::min<int64_t>(kScaleStage, groups - g0);
+      widen_halves(d, ints + groups * int_bytes(Type) + 2 * g0, stage);
+      int64_t j = 0;
+      for (; j + 4 <= stage; j += 4) {
+        pair(j, g0 + j, acc[0]);
+        pair(j + 2, g0 + j + 2, acc[1]);
+      }
+      if (j + 2 <= stage) {
+        pair(j, g0 + j, acc[0]);
+        j += 2;
+      }
+      if (j < stage) {  // a last, unpaired block (stage is odd only at the row's end)
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + (g0 + j) * kQK / 2)));
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+        const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+        const __m512 scale = _mm512_set1_ps(d[j]);
+        UNROLL for (int r = 0; r < R; ++r) {
+          const __m512bh xg = (__m512bh)_mm512_loadu_si512(x + r * x_stride + (g0 + j) * kQK);
+          acc[1][r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, xg), scale, acc[1][r]);
+        }
+      }
+    }
     if constexpr (Type == kQ4_1) {  // + sum over blocks of m * sum(x): 16 blocks per FMA
       const uint8_t* mins = ints + groups * (int_bytes(Type) + 2);
       for (int64_t g = 0; g < groups; g += 16) {
@@ -199,6 +231,21 @@ ENGINE_TARGET_BF16 void quant_dot_rows_bf16(float* out, int64_t out_stride, int6
     UNROLL for (int r = 0; r < R; ++r)
       out[r * out_stride + n - base] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
   }
+}
+
+// dst: a row of activations (k values) in the order quant_dot_rows_bf16 reads them: in each
+// pair of blocks [A 0..15, A 16..31, B 0..15, B 16..31] becomes [A 0..15, B 0..15, A 16..31,
+// B 16..31]; an odd last block stays as it is.
+inline void pair_activations(bf16_t* dst, const bf16_t* src, int64_t k) {
+  constexpr int64_t half = kQK / 2, bytes = half * sizeof(bf16_t);
+  int64_t g = 0;
+  for (; g + 2 * kQK <= k; g += 2 * kQK) {
+    std::memcpy(dst + g, src + g, bytes);
+    std::memcpy(dst + g + half, src + g + kQK, bytes);
+    std::memcpy(dst + g + kQK, src + g + half, bytes);
+    std::memcpy(dst + g + kQK + half, src + g + kQK + half, bytes);
+  }
+  std::memcpy(dst + g, src + g, (k - g) * sizeof(bf16_t));
 }
 #endif
 

@@ -34,7 +34,7 @@ METHODS = {"int4": Q4_1, "int8": Q8_0}
 QUANTIZER_VERSION = 1
 # Part of the fingerprint of every model with quantized weights: bump it whenever the kernel's
 # arithmetic changes (a KV store entry or a peer computed the old way must never match).
-KERNEL_VERSION = 2
+KERNEL_VERSION = 3
 ROWS_AT_A_TIME = 4096  # quantize/dequantize whole tensors in slices: float32 temporaries stay small
 
 
