@@ -28,6 +28,16 @@ def hash_block_tokens(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]
     return hashlib.sha256(parent_hash + payload + extra).digest()
 
 
+def salted_root(root_hash: bytes, cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: the instance's root, or with a ``cache_salt``
+    (vLLM's request field for tenant isolation) a root of that salt's own, so requests with
+    different salts (or none) never share a block hash: not in the prefix cache, the KV tiers, the
+    KV events or a router's index."""
+    if cache_salt is None:
+        return root_hash
+    return hashlib.sha256(root_hash + b"|cache_salt|" + cache_salt.encode()).digest()
+
+
 class BlockHasher:
     """Appends the hash of every newly full block of a request (computed once each)."""
 
@@ -41,7 +51,7 @@ class BlockHasher:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
-            parent = hashes[-1] if hashes else self.root_hash
+            parent = hashes[-1] if hashes else salted_root(self.root_hash, request.cache_salt)
             hashes.append(hash_block_tokens(parent, tokens[start:start + bs]))
 
 

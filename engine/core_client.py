@@ -213,7 +213,7 @@ class AsyncEngineClient:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           kv_transfer_params: KVTransferParams | None = None,
-                          first_tokens_shown: bool = False) -> "RequestStream":
+                          first_tokens_shown: bool = False, cache_salt: str | None = None) -> "RequestStream":
         """Queue a request and wait for the engine to accept it (raises EngineRequestError
         with the HTTP status when it refuses). The caller must close() the stream."""
         if self.dead is not None:
@@ -222,7 +222,7 @@ class AsyncEngineClient:
             raise EngineRequestError(400, f"request id {request_id!r} is already in use", "request_id")
         try:
             message = self._encoder.encode(AddRequest(request_id, prompt_token_ids, params, time.time(),
-                                                      kv_transfer_params))
+                                                      kv_transfer_params, cache_salt))
         except (OverflowError, TypeError, ValueError) as exc:  # validated upstream; a last line of defence
             raise EngineRequestError(400, f"the request cannot be passed to the engine: {exc}") from None
         # Registered before the core can answer: its first outputs may come with the ack.

@@ -51,6 +51,15 @@ from engine.worker.models import ModelConfig, model_config_from_hf
 logger = logging.getLogger("engine")
 
 MAX_REQUEST_ID_LEN = 256
+MAX_CACHE_SALT_LEN = 1024
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """None (shares KV with every unsalted request) or a non-empty str, as vLLM takes it."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                   or len(cache_salt) > MAX_CACHE_SALT_LEN):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
+                                  "characters (or null)", "cache_salt")
 MAX_KEPT_DURATIONS = 4096  # transfer and load durations kept for a reader that never drains (offline use)
 HANDED_OFF = RequestStatus.FINISHED_HANDED_OFF.finish_reason
 
@@ -204,11 +213,12 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None,
-                    kv_transfer_params: KVTransferParams | dict | None = None) -> None:
+                    kv_transfer_params: KVTransferParams | dict | None = None, cache_salt: str | None = None) -> None:
         """Queue a request of ``params.n`` sequences. Raises InvalidRequestError (a ValueError)
         for a bad one, or PrefillElsewhere; then nothing was queued. With
         ``kv_transfer_params.first_token_ids`` (from a prefill instance) each sequence continues
-        from its first token, which goes out with the next step marked ``from_prefill``."""
+        from its first token, which goes out with the next step marked ``from_prefill``.
+        ``cache_salt``: its KV is shared only with requests of the same salt (block_pool.salted_root)."""
         try:
             kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
             check_kv_transfer_params_signature(kv_transfer_params, self.config.kv_secret)
@@ -219,6 +229,7 @@ class EngineCore:
                                       "characters", "request_id")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        check_cache_salt(cache_salt)
         seq_ids = [sequence_id(request_id, i, params.n) for i in range(params.n)]
         if any(self.scheduler.is_id_in_use(s) or s in self._request_of for s in seq_ids):
             # A finished request whose blocks a KV transfer still reads: reusing its id now
@@ -234,7 +245,8 @@ class EngineCore:
         max_tokens = self.validate(prompt_token_ids, params, hands_off)
         limit = kv_transfer_params.max_local_prefill_tokens if kv_transfer_params is not None else None
         if limit is not None and not kv_transfer_params.acts_on_remote_kv:
-            probe = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, self.block_hasher)
+            probe = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, self.block_hasher,
+                            cache_salt=cache_salt)
             uncached = self.scheduler.num_uncached_prompt_tokens(probe)
             if uncached > limit:
                 raise PrefillElsewhere(uncached, limit)
@@ -248,7 +260,8 @@ class EngineCore:
             seq_params = params if params.n == 1 or params.seed is None else params.replace(
                 seed=(params.seed + index + 2**63) % 2**64 - 2**63)
             request = Request(seq_id, prompt_token_ids, seq_params, self.eos_token_ids, max_tokens,
-                              self.block_hasher, arrival_time, hands_off=hands_off, grammar=grammars[index])
+                              self.block_hasher, arrival_time, hands_off=hands_off, grammar=grammars[index],
+                              cache_salt=cache_salt)
             if first_tokens is None or not self._start_from_first_token(request, *first_tokens[index]):
                 requests.append(request)
         # The n samples share one prompt, so one KV transfer: the first running sample pulls it

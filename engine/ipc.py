@@ -76,6 +76,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     arrival_time: float
     kv_transfer_params: KVTransferParams | None = None
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

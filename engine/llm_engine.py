@@ -34,17 +34,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY, arrival_time: float | None = None,
                     kv_transfer_params: KVTransferParams | dict | None = None,
-                    first_tokens_shown: bool = False) -> None:
+                    first_tokens_shown: bool = False, cache_salt: str | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (a ValueError) for a bad one; then
         nothing was queued. With ``kv_transfer_params.first_token_ids`` (from a prefill
         instance) each sequence continues from its first token; ``first_tokens_shown``: the
         client was already shown them (as far as the stop strings allowed), so the deltas go on
-        after them."""
+        after them. ``cache_salt``: KV shared only with requests of the same salt."""
         if request_id in self.processor:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         try:
-            self.core.add_request(request_id, prompt_token_ids, params, arrival_time, kv_transfer_params)
+            self.core.add_request(request_id, prompt_token_ids, params, arrival_time, kv_transfer_params, cache_salt)
         except ValueError:  # refused before anything was queued
             raise
         except Exception:  # a failure part way: nothing of this request may stay behind

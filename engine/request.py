@@ -64,6 +64,7 @@ class Request:
         kv_leader: str | None = None,
         hands_off: bool = False,
         grammar: RequestGrammar | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -79,6 +80,8 @@ class Request:
         self.hands_off = hands_off
         # Structured output: every appended token advances it; the scheduler fills its bitmask row.
         self.grammar = grammar
+        # Tenant isolation: its block hashes descend from a root of this salt's own (block_pool.py).
+        self.cache_salt = cache_salt
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -259,7 +259,7 @@ class OpenAIServer:
                 # says so: the stream goes on after them. (Anyone else gets them in the stream.)
                 shown = bool(request.stream) and raw.headers.get(FIRST_TOKENS_SHOWN) == "1"
                 streams.append(await self.client.add_request(sub_id, prompt_ids, params, kv_params[i],
-                                                             first_tokens_shown=shown))
+                                                             first_tokens_shown=shown, cache_salt=request.cache_salt))
         except EngineRequestError as exc:
             for s in streams:
                 s.close()

@@ -243,14 +243,16 @@ class KVRouter:
         subscriber.start()
         self.subscribers.append(subscriber)
 
-    def prompt_blocks(self, token_ids: list[int]) -> "PromptBlocks":
+    def prompt_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> "PromptBlocks":
         """The prompt's block hashes under every root the instances use (one per model
-        fingerprint and block size). CPU work: callers run it off the event loop."""
+        fingerprint and block size), salted as the instances salt them. CPU work: callers run it
+        off the event loop."""
         by_root: dict[tuple[int, bytes], list[bytes]] = {}
         for hasher in self.hashers.values():
             key = (hasher.block_size, hasher.root_hash)
             if key not in by_root:
-                by_root[key] = Request("route", token_ids, SamplingParams(), frozenset(), 1, hasher).block_hashes
+                by_root[key] = Request("route", token_ids, SamplingParams(), frozenset(), 1, hasher,
+                                       cache_salt=cache_salt).block_hashes
         return PromptBlocks(len(token_ids), by_root)
 
     def choose(self, candidates: list, prompt: "PromptBlocks | None"):
@@ -283,7 +285,8 @@ class KVRouter:
 
     def status(self) -> list[dict]:
         return [{"url": i.url, "index_blocks": len(i.hashes), "last_seq": i.last_seq, "resyncs": i.resyncs,
-                 "routed": i.routed, "predicted_hit_rate": round(i.predicted_hits / i.prompt_tokens, 4)
+                 "routed": i.routed, "prompt_tokens": i.prompt_tokens, "predicted_hits": i.predicted_hits,
+                 "predicted_hit_rate": round(i.predicted_hits / i.prompt_tokens, 4)
                  if i.prompt_tokens else None} for i in self.indexes.values()]
 
     def stop(self) -> None:

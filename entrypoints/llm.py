@@ -13,7 +13,7 @@ from engine.llm_engine import LLMEngine, OutputKind
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from entrypoints.llm_arguments import engine_arguments
-from entrypoints.prompt_inputs import PromptInput, parse_conversations, parse_prompts
+from entrypoints.prompt_inputs import PromptInput, SaltedPrompt, parse_conversations, parse_prompts
 
 
 class LLM:
@@ -50,7 +50,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs come back in input order. ``prompts``: one prompt or a list of them, each a
         str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (vLLM's forms,
-        entrypoints/prompt_inputs.py)."""
+        entrypoints/prompt_inputs.py; a dict may carry a "cache_salt")."""
         prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -92,7 +92,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, p, OutputKind.FINAL_ONLY)
+                salt = prompt.cache_salt if isinstance(prompt, SaltedPrompt) else None
+                prompt = prompt.prompt if isinstance(prompt, SaltedPrompt) else prompt
+                engine.add_request(request_id, prompt, p, OutputKind.FINAL_ONLY, cache_salt=salt)
                 ids.append(request_id)
             results: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:

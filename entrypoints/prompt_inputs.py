@@ -2,15 +2,25 @@
 
 ``LLM.generate`` takes a single prompt or a list (or tuple) of prompts, a prompt being a str, a
 list of token ids, ``{"prompt": str}`` (vLLM's ``TextPrompt``) or ``{"prompt_token_ids": [...]}``
-(``TokensPrompt``). Only a list or tuple is ever read as several prompts, and only after its items
+(``TokensPrompt``); either dict may carry vLLM's ``"cache_salt"`` (a non-empty str: its KV is
+shared only with prompts of the same salt). Only a list or tuple is ever read as several prompts, and only after its items
 were each found to be a prompt: a dict is never iterated into its keys, a string never into its
 characters. Anything else is a ``TypeError`` that names the argument and lists the forms.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from numbers import Integral
 
-PromptInput = str | list[int]  # what the engine's add_request takes
+
+@dataclass(frozen=True)
+class SaltedPrompt:
+    """A prompt dict's prompt with its ``cache_salt``."""
+    prompt: str | list[int]
+    cache_salt: str
+
+
+PromptInput = str | list[int] | SaltedPrompt
 
 PROMPT_FORMS = ('a str, a list of token ids, {"prompt": str}, {"prompt_token_ids": [int, ...]}, '
                 'or a list of these')
@@ -18,7 +28,7 @@ PROMPT_FORMS = ('a str, a list of token ids, {"prompt": str}, {"prompt_token_ids
 # (None asks for nothing, as vLLM reads it.)
 UNSUPPORTED_PROMPT_KEYS = frozenset({
     "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "media_io_kwargs", "prompt_embeds",
-    "token_type_ids", "cache_salt", "encoder_prompt", "decoder_prompt"})
+    "token_type_ids", "encoder_prompt", "decoder_prompt"})
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -49,10 +59,19 @@ def _one_prompt(value: object, where: str) -> PromptInput | None:
         return ids
     if not isinstance(value, dict):
         return None
-    value = {key: v for key, v in value.items() if not (key in UNSUPPORTED_PROMPT_KEYS and v is None)}
+    value = {key: v for key, v in value.items()
+             if not ((key in UNSUPPORTED_PROMPT_KEYS or key == "cache_salt") and v is None)}
     unsupported = sorted(UNSUPPORTED_PROMPT_KEYS & value.keys())
     if unsupported:
         raise ValueError(f"{where}: {', '.join(unsupported)} is not supported by this engine (text prompts only)")
+    salt = value.pop("cache_salt", None)
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"{where}['cache_salt'] must be a non-empty str, got {salt!r:.40}")
+    prompt = _prompt_of_dict(value, where)
+    return prompt if salt is None else SaltedPrompt(prompt, salt)
+
+
+def _prompt_of_dict(value: dict, where: str) -> str | list[int]:
     unknown = sorted(map(repr, value.keys() - {"prompt", "prompt_token_ids"}))
     if unknown:
         raise TypeError(f"{where}: unknown prompt key(s) {', '.join(unknown)}; a prompt is {PROMPT_FORMS}")

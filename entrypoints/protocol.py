@@ -189,7 +189,7 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "function_call": (None, "none", "auto"), "continue_final_message": (None, False), "documents": (None,),
     "mm_processor_kwargs": (None,), "priority": (None, 0), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "audio": (None,), "modalities": (None, ["text"]),
-    "chat_template_kwargs": (None, {}), "cache_salt": (None,), "logits_processors": (None, []),
+    "chat_template_kwargs": (None, {}), "logits_processors": (None, []),
     "reasoning_effort": (None,), "return_token_ids": (None, False), "include_reasoning": (None, True),
     "web_search_options": (None,), "vllm_xargs": (None, {}), "media_io_kwargs": (None, {}),
 }
@@ -244,6 +244,8 @@ class _SamplingFields(_RequestModel):
     # One object for every prompt, or (a prefill instance's answer to a prompt list) one per prompt.
     kv_transfer_params: dict[str, Any] | list[dict[str, Any]] | None = None
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's tenant isolation: KV (prefix cache, tiers, events) shared only among requests of one salt.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     logit_bias: dict[str, float] | None = None
     # Structured output, three ways to ask (at most one per request): OpenAI's, vLLM's, vLLM's older one.
     response_format: ResponseFormat | None = None

@@ -154,7 +154,8 @@ class Proxy:
                 return None
             if not isinstance(tokens, list) or len(tokens) > max_len:
                 return None  # the engine refuses it anyway: do not hash it
-            return await asyncio.to_thread(self.router.prompt_blocks, tokens)
+            salt = body.get("cache_salt")
+            return await asyncio.to_thread(self.router.prompt_blocks, tokens, salt if isinstance(salt, str) else None)
         return None
 
     async def watch_instances(self) -> None:

@@ -144,6 +144,25 @@ def test_a_conversation_keeps_landing_where_its_kv_is(replicas, proxy, tiny_llam
         reference.stop()
 
 
+def test_the_router_matches_a_salted_prompt_only_under_its_salt(replicas, proxy):
+    """cache_salt: the proxy hashes a prompt as the instances hash it under its salt, so the same
+    salt finds its KV and another salt is predicted (and given) nothing."""
+    def predicted(salt: str) -> tuple[int, int]:
+        before = sum(i["predicted_hits"] for i in _routing(proxy).values())
+        body = {"prompt": list(range(700, 800)), "cache_salt": salt, **GREEDY}
+        answer = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        hits = sum(i["predicted_hits"] for i in _routing(proxy).values()) - before
+        return hits, answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    indexed = sum(i["index_blocks"] for i in _routing(proxy).values())
+    assert predicted("tenant-a") == (0, 0)
+    wait_for(lambda: sum(i["index_blocks"] for i in _routing(proxy).values()) >= indexed + 6, timeout=10,
+             state=lambda: _routing(proxy))
+    assert predicted("tenant-a") == (96, 96)
+    assert predicted("tenant-b") == (0, 0)
+
+
 def test_a_restarted_instance_starts_with_an_empty_index(replicas, proxy):
     body = {"prompt": list(range(300, 400)), **GREEDY}
     assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60).status_code == 200
