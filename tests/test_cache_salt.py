@@ -14,6 +14,7 @@ from engine.block_pool import BlockHasher, salted_root
 from engine.request import Request
 from entrypoints.kv_router import KVRouter
 from tests.conftest import assert_engine_idle
+from tests.disagg_utils import Disagg
 from tests.server_utils import ServerProcess
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -53,7 +54,7 @@ def test_the_offline_api_shares_kv_only_within_a_salt(tiny_llama):
     assert run(None) == (first, 0)
     assert run(None) == (first, 96)
     assert run("tenant-b") == (first, 96)
-    for bad in ("", 5):
+    for bad in ("", 5, "x" * 1025, "\ud800"):
         with pytest.raises(ValueError, match="cache_salt"):
             llm.generate([{"prompt": "Hi", "cache_salt": bad}], GREEDY, use_tqdm=False)
     assert run(None) == (first, 96)  # a null salt is no salt
@@ -119,3 +120,32 @@ def test_the_server_shares_kv_only_within_a_salt(server, path):
         resp = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "cache_salt": bad}, timeout=60)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
     server.wait_idle()
+
+
+def _prefix_hits(server: ServerProcess) -> float:
+    line = next(x for x in server.metrics().splitlines() if x.startswith("engine:prefix_cache_hits_total"))
+    return float(line.split()[-1])
+
+
+def test_prefill_and_decode_keep_salts_apart(tiny_llama):
+    """Through engine proxy: the prefill instance's prefix cache (where a repeated prompt would
+    skip its compute) serves a prompt again only under its salt, with n > 1; the answers do not
+    depend on the salt."""
+    cluster = Disagg(str(tiny_llama), "--num-blocks", "64")
+    try:
+        body = {"prompt": _prompt(4, 100), "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 2}
+
+        def send(salt: str) -> tuple[list[str], float]:
+            before = _prefix_hits(cluster.prefill)
+            resp = httpx.post(f"{cluster.url}/v1/completions", json={**body, "cache_salt": salt}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            cluster.wait_idle()
+            return [c["text"] for c in resp.json()["choices"]], _prefix_hits(cluster.prefill) - before
+
+        # The n samples share their prompt: the second hits what the first computed, in any tenant.
+        first, siblings = send("tenant-a")
+        assert send("tenant-b") == (first, siblings)
+        texts, hits = send("tenant-a")
+        assert texts == first and hits >= siblings + 96
+    finally:
+        cluster.stop()
