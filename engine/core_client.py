@@ -51,6 +51,7 @@ class ChoiceDelta(msgspec.Struct):
     stop_reason: int | str | None = None
     logprobs: list[list[LogprobEntry]] | None = None
     text_offset: int = 0  # logprobs' text_offset of its first token (engine/outputs.py)
+    token_ids_shown: int = 0  # lead token_ids the client already saw (engine/outputs.py)
 
 
 class RequestDelta(msgspec.Struct):
@@ -72,7 +73,7 @@ class RequestDelta(msgspec.Struct):
                 logprobs = [[(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in entry.items()]
                             for entry in c.logprobs]
             choices.append(ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs,
-                                       c.text_offset))
+                                       c.text_offset, c.token_ids_shown))
         return cls(out.request_id, choices, out.finished, out.num_cached_tokens, out.kv_transfer_params,
                    out.error, out.queue_time)
 

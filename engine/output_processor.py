@@ -53,6 +53,9 @@ class _Sequence:
     # alone, so a decode instance's offsets continue a prefill's as a single instance's do.
     logprob_chars: int = 0
     reported_finish: bool = False  # its finish went out in a delta: later deltas leave it out
+    # Leading ids of the next delta's token_ids that a proxy already showed (a prefill's first
+    # token): counted in the usage, not shown again.
+    token_ids_shown: int = 0
 
     @property
     def shown_finish_reason(self) -> str | None:
@@ -192,6 +195,7 @@ class OutputProcessor:
             seq.detok.next_delta(False)
             seq.logprob_chars += _sampled_chars(seq.new_logprobs)
             seq.new_logprobs.clear()
+            seq.token_ids_shown = len(seq.new_token_ids)
         if stops:
             # A stop string ends the sequence here (also when the same token reached max_tokens
             # or was EOS: the stop string is why the text ends).
@@ -230,7 +234,8 @@ class OutputProcessor:
             outputs.append(CompletionOutput(
                 seq.index, text, list(seq.new_token_ids if delta else seq.token_ids), reason, seq.stop_reason,
                 list(seq.new_logprobs) if delta and seq.logprobs is not None else seq.logprobs,
-                seq.cumulative_logprob, offset))
+                seq.cumulative_logprob, offset, seq.token_ids_shown if delta else 0))
+            seq.token_ids_shown = 0
             if delta:
                 seq.logprob_chars += _sampled_chars(seq.new_logprobs)
             seq.new_token_ids.clear()

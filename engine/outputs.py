@@ -120,6 +120,8 @@ class CompletionOutput:
     # output's first token (0 for a final output). On a decode instance whose client was shown a
     # prefill's first tokens, its deltas start past them, as on a single instance.
     text_offset: int = 0
+    # Of a delta's token_ids, how many lead ones the client was shown already (that first token).
+    token_ids_shown: int = 0
 
     @property
     def finished(self) -> bool:

@@ -264,7 +264,7 @@ class OpenAIServer:
             for s in streams:
                 s.close()
             raise APIError(exc.status, str(exc), exc.param)
-        response = _Response(self, request_id, request, prompts, params.n, chat, arrival)
+        response = _Response(self, request_id, request, prompts, params.n, chat, arrival, continues=shown)
         if request.stream:
             return StreamingResponse(response.stream(streams), media_type="text/event-stream",
                                      headers={"X-Request-Id": request_id})
@@ -348,9 +348,13 @@ class _Response:
     """Turns engine deltas into OpenAI JSON, streamed or whole, and records metrics."""
 
     def __init__(self, server: OpenAIServer, request_id: str, request, prompts: list[list[int]], n: int, chat: bool,
-                 arrival: float) -> None:
+                 arrival: float, continues: bool = False) -> None:
+        """``continues``: a stream that goes on after first tokens a proxy showed (which also
+        showed the prompt's token ids, where asked)."""
         self.server, self.request_id, self.request = server, request_id, request
         self.prompts, self.n, self.chat, self.arrival = prompts, n, chat, arrival
+        self.token_ids, self.continues = request.return_token_ids, continues
+        self.prompt_ids_to_show = set(range(len(prompts) * n)) if self.token_ids else set()
         self.created = int(time.time())
         self.model = request.model or server.model_names[0]
         self.object = "chat.completion" if chat else "text_completion"
@@ -473,9 +477,15 @@ class _Response:
                 choice["message"] = {"role": "assistant", "content": texts.get(index, "")}
             else:
                 choice["text"] = texts.get(index, "")
+                if self.token_ids:
+                    choice["prompt_token_ids"] = self.prompts[index // self.n]
+            if self.token_ids:
+                choice["token_ids"] = tokens.get(index, [])
             choices.append(choice)
         body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+        if self.token_ids and self.chat:
+            body["prompt_token_ids"] = self.prompts[0]
         if self.kv_transfer_params:
             # One per prompt, in prompt order (a list only when the request had several).
             params = [msgspec.to_builtins(self.kv_transfer_params.get(i)) for i in range(len(self.prompts))]
@@ -493,8 +503,9 @@ class _Response:
                          "choices": choices, **extra})
 
         try:
-            if self.chat:  # the role comes first, once per choice
-                yield chunk([role_choice(i) for i in range(len(self.prompts) * self.n)])
+            if self.chat:  # the role comes first, once per choice (and the prompt's ids, where asked)
+                shown = {"prompt_token_ids": self.prompts[0]} if self.token_ids and not self.continues else {}
+                yield chunk([role_choice(i) for i in range(len(self.prompts) * self.n)], **shown)
             async for i, delta in self._merged(streams):
                 self._record(i, delta)
                 if delta.error is not None and all(c.finish_reason == "error" for c in delta.choices):
@@ -524,8 +535,16 @@ class _Response:
 
     def _stream_choice(self, index: int, c: ChoiceDelta) -> dict:
         # c.text_offset: past the text a prefill instance's first token showed, on a decode.
+        token_ids = prompt_ids = None
+        if self.token_ids:
+            token_ids = c.token_ids[c.token_ids_shown:]
+            if index in self.prompt_ids_to_show:  # a choice's first chunk
+                self.prompt_ids_to_show.discard(index)
+                # (unless a proxy showed this choice's start, prompt ids included; chat's go with the role)
+                if not self.chat and not (self.continues and c.token_ids_shown):
+                    prompt_ids = self.prompts[index // self.n]
         return stream_choice(index, c.text, self._logprobs(c.logprobs, c.text_offset), c.finish_reason,
-                             c.stop_reason, self.chat)
+                             c.stop_reason, self.chat, token_ids, prompt_ids)
 
 
 def build_app(server: OpenAIServer) -> FastAPI:

@@ -31,14 +31,23 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def stream_choice(index: int, text: str, logprobs, finish_reason: str | None, stop_reason, chat: bool) -> dict:
-    """One choice of a streamed chunk, as the API server and the proxy stream it."""
+def stream_choice(index: int, text: str, logprobs, finish_reason: str | None, stop_reason, chat: bool,
+                  token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+    """One choice of a streamed chunk, as the API server and the proxy stream it; with
+    return_token_ids, the chunk's ``token_ids`` and (completions, a choice's first chunk) its
+    ``prompt_token_ids``, as vLLM streams them."""
     if chat:
         delta = {"content": text} if text or finish_reason is None else {}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-                "stop_reason": stop_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+    else:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def role_choice(index: int) -> dict:
@@ -190,7 +199,7 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "mm_processor_kwargs": (None,), "priority": (None, 0), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "audio": (None,), "modalities": (None, ["text"]),
     "chat_template_kwargs": (None, {}), "logits_processors": (None, []),
-    "reasoning_effort": (None,), "return_token_ids": (None, False), "include_reasoning": (None, True),
+    "reasoning_effort": (None,), "include_reasoning": (None, True),
     "web_search_options": (None,), "vllm_xargs": (None, {}), "media_io_kwargs": (None, {}),
 }
 
@@ -246,6 +255,8 @@ class _SamplingFields(_RequestModel):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM's tenant isolation: KV (prefix cache, tiers, events) shared only among requests of one salt.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # vLLM's: the prompt's and each choice's token ids in the answer (prompt_token_ids, token_ids).
+    return_token_ids: bool = False
     logit_bias: dict[str, float] | None = None
     # Structured output, three ways to ask (at most one per request): OpenAI's, vLLM's, vLLM's older one.
     response_format: ResponseFormat | None = None

@@ -442,13 +442,17 @@ class FirstTokens:
                     "choices": choices, **extra})
 
     def _delta(self, choice: dict, finish: bool) -> dict:
+        # With return_token_ids, P's answer has each choice's token ids (and a completion's prompt ids).
         text = ((choice.get("message") or {}).get("content") or "") if self.chat else choice.get("text", "")
         return stream_choice(choice["index"], text, choice.get("logprobs"),
                              choice.get("finish_reason") if finish else None,
-                             choice.get("stop_reason") if finish else None, self.chat)
+                             choice.get("stop_reason") if finish else None, self.chat,
+                             choice.get("token_ids"), choice.get("prompt_token_ids"))
 
     def role_chunk(self) -> str:
-        return self._chunk([role_choice(c["index"]) for c in self.choices])
+        prompt_ids = self.answer.get("prompt_token_ids")  # chat with return_token_ids
+        return self._chunk([role_choice(c["index"]) for c in self.choices],
+                           **({"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}))
 
     def continuing_chunk(self) -> str:
         """The sequences D continues; those that ended with their first token come from D whole."""

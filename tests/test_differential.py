@@ -2,7 +2,9 @@
 OpenAI requests and each goes to a colocated `engine serve` and through `engine proxy` to a
 prefill and a decode instance (same tiny model, same flags). The answers must be equal: texts,
 finish and stop reasons, token counts, logprobs (token strings exactly, values within
-LOGPROB_TOL) and usage (cached-token counts may differ).
+LOGPROB_TOL) and usage (cached-token counts may differ). With ``return_token_ids`` the token ids
+too, and every answer's text against an oracle that is not the engine: ``tokenizer.decode`` of
+prompt and output ids, after the prompt's own text (cut at the stop string that ended it).
 
 Requests cover both endpoints, prompts as a string, a list of strings, token ids and a list of
 token-id lists, `n` 1-3, greedy and seeded sampling, stop strings, `min_tokens`, `logprobs`,
@@ -29,6 +31,7 @@ from tests.disagg_utils import Disagg
 from tests.server_utils import ServerProcess
 
 MODEL = "tiny"
+TOKENIZER = None  # the tiny model's, set by the colocated fixture: the text oracle
 VOCAB = 49152  # tests/conftest.py TINY_COMMON
 ENGINE_ARGS = ("--served-model-name", MODEL, "--num-blocks", "128", "--max-model-len", "512")
 EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "25"))
@@ -41,6 +44,9 @@ STOPS = [" ", "e", "a", "s", "t", "in", "er", ".", ",", "\n", "the", "on"]
 # ---- servers ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def colocated(tiny_llama):
+    global TOKENIZER
+    from transformers import AutoTokenizer
+    TOKENIZER = AutoTokenizer.from_pretrained(str(tiny_llama))
     srv = ServerProcess(str(tiny_llama), *ENGINE_ARGS)
     yield srv
     assert srv.stop() in (0, -15)
@@ -96,6 +102,8 @@ def requests(draw) -> tuple[str, dict, str]:
             body["logprobs"] = draw(st.integers(0, 3))
     if draw(st.booleans()):
         body["ignore_eos"] = draw(st.booleans())
+    if draw(st.booleans()):
+        body["return_token_ids"] = True
     if draw(st.booleans()):
         body["stream"] = True
         if draw(st.booleans()):
@@ -159,11 +167,23 @@ def reconstruct(result, chat: bool, stream: bool) -> dict:
 
     def choice(index: int) -> dict:
         return choices.setdefault(index, {"text": "", "finish_reason": None, "stop_reason": None,
-                                          "logprobs": [], "has_logprobs": False, "finishes": 0})
+                                          "logprobs": [], "has_logprobs": False, "finishes": 0,
+                                          "token_ids": None, "prompt_token_ids": None})
+
+    def add_ids(out: dict, c: dict, prompt_ids) -> None:
+        if c.get("token_ids") is not None:
+            out["token_ids"] = (out["token_ids"] or []) + c["token_ids"]
+        if prompt_ids is not None:
+            assert out["prompt_token_ids"] is None, f"prompt_token_ids twice for one choice: {c}"
+            out["prompt_token_ids"] = prompt_ids
 
     usage = None
+    chat_prompt_ids = None
     if stream:
         for chunk in result:
+            if chunk.get("prompt_token_ids") is not None:
+                assert chat and chat_prompt_ids is None, f"prompt_token_ids twice, or on a completion chunk: {chunk}"
+                chat_prompt_ids = chunk["prompt_token_ids"]
             if chunk.get("usage"):
                 assert not chunk["choices"], f"usage chunk with choices: {chunk}"
                 assert usage is None, "two usage chunks"
@@ -172,6 +192,7 @@ def reconstruct(result, chat: bool, stream: bool) -> dict:
                 out = choice(c["index"])
                 assert out["finish_reason"] is None, f"a chunk after choice {c['index']} finished: {chunk}"
                 out["text"] += (c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
+                add_ids(out, c, c.get("prompt_token_ids"))
                 if c.get("logprobs") is not None:
                     out["has_logprobs"] = True
                     out["logprobs"] += _logprob_entries(c["logprobs"], chat)
@@ -184,29 +205,53 @@ def reconstruct(result, chat: bool, stream: bool) -> dict:
             out = choice(c["index"])
             out["text"] = c["message"]["content"] if chat else c["text"]
             out["finish_reason"], out["stop_reason"], out["finishes"] = c["finish_reason"], c.get("stop_reason"), 1
+            add_ids(out, c, c.get("prompt_token_ids"))
             if c.get("logprobs") is not None:
                 out["has_logprobs"] = True
                 out["logprobs"] = _logprob_entries(c["logprobs"], chat)
         usage = result["usage"]
+        chat_prompt_ids = result.get("prompt_token_ids")
+    if chat_prompt_ids is not None:
+        for out in choices.values():
+            out["prompt_token_ids"] = chat_prompt_ids
     return {"choices": [choices[i] for i in sorted(choices)], "indices": sorted(choices),
             "usage": None if usage is None else {k: usage[k] for k in ("prompt_tokens", "completion_tokens",
                                                                         "total_tokens")}}
 
 
 def assert_consistent(answer: dict, what: str) -> None:
-    """One answer on its own: a choice cut by max_tokens names no stop string or token."""
+    """One answer on its own: a choice cut by max_tokens names no stop string or token; with
+    token ids, its text is what tokenizer.decode makes of them after the prompt's text, up to
+    the stop string that ended it."""
     for i, c in enumerate(answer["choices"]):
         if c["finish_reason"] == "length":
             assert c["stop_reason"] is None, f"{what}, choice {i}: finish_reason length with stop_reason {c['stop_reason']!r}"
+        if c["token_ids"] is None:
+            continue
+        assert c["prompt_token_ids"] is not None, f"{what}, choice {i}: token_ids without prompt_token_ids"
+        prompt = TOKENIZER.decode(c["prompt_token_ids"], skip_special_tokens=True)
+        whole = TOKENIZER.decode(c["prompt_token_ids"] + c["token_ids"], skip_special_tokens=True)
+        if not whole.startswith(prompt):  # the prompt ends inside a character its first output token completes
+            continue
+        expected = whole[len(prompt):]
+        if isinstance(c["stop_reason"], str):
+            assert expected.startswith(c["text"]) and expected[len(c["text"]):].startswith(c["stop_reason"]), (
+                f"{what}, choice {i}: text {c['text']!r} is not {expected!r} cut at {c['stop_reason']!r}")
+        else:
+            assert c["text"] == expected, f"{what}, choice {i}: text {c['text']!r} != decoded {expected!r}"
 
 
 def assert_same(want: dict, got: dict, what: str) -> None:
     assert_consistent(want, f"{what} (reference)")
+    assert_consistent(got, what)
     assert got["indices"] == want["indices"], f"{what}: choice indices {got['indices']} != {want['indices']}"
     for i, (w, g) in enumerate(zip(want["choices"], got["choices"])):
         where = f"{what}, choice {i}"
         assert g["finishes"] == 1, f"{where}: {g['finishes']} finish_reasons"
         assert g["text"] == w["text"], f"{where}: text {g['text']!r} != {w['text']!r}"
+        assert g["token_ids"] == w["token_ids"], f"{where}: token_ids {g['token_ids']} != {w['token_ids']}"
+        assert g["prompt_token_ids"] == w["prompt_token_ids"], (
+            f"{where}: prompt_token_ids {g['prompt_token_ids']} != {w['prompt_token_ids']}")
         assert g["finish_reason"] == w["finish_reason"], f"{where}: finish_reason {g['finish_reason']} != {w['finish_reason']}"
         assert g["stop_reason"] == w["stop_reason"], f"{where}: stop_reason {g['stop_reason']!r} != {w['stop_reason']!r}"
         assert g["has_logprobs"] == w["has_logprobs"], f"{where}: logprobs present {g['has_logprobs']} != {w['has_logprobs']}"
@@ -229,7 +274,8 @@ def _log_tail(srv: ServerProcess, lines: int = 15) -> str:
 
 # ---- the test -----------------------------------------------------------------------------
 def test_pd_equals_colocated(colocated, pd):
-    cases = {"examples": 0, "stream": 0, "openai": 0, "chat": 0, "n>1": 0, "sampled": 0, "logprobs": 0, "stop": 0}
+    cases = {"examples": 0, "stream": 0, "openai": 0, "chat": 0, "n>1": 0, "sampled": 0, "logprobs": 0, "stop": 0,
+             "token_ids": 0}
     started = time.monotonic()
 
     @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, print_blob=False,
@@ -256,6 +302,7 @@ def test_pd_equals_colocated(colocated, pd):
         cases["sampled"] += body["temperature"] > 0
         cases["logprobs"] += "logprobs" in body
         cases["stop"] += "stop" in body
+        cases["token_ids"] += "return_token_ids" in body
         context = f"request ({client}) {path} {json.dumps(body)}"
 
         # The reference: colocated, whole, over httpx.

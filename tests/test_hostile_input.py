@@ -129,7 +129,6 @@ def test_chat_content_parts(server):
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-    ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
     ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
     ("/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens"),
     ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
@@ -143,7 +142,7 @@ def test_fields_this_server_does_not_implement_are_refused_by_name(server, path,
     _error(_post(server, path, {**body, "max_tokens": 2, **extra}), 400, field)
     inert = {"echo": False, "suffix": None, "best_of": 1.0, "prompt_logprobs": None, "use_beam_search": False,
              "tools": [], "tool_choice": "none", "chat_template_kwargs": {},
-             "return_token_ids": False, "add_special_tokens": path == "/v1/completions",
+             "add_special_tokens": path == "/v1/completions",
              "stream_options.continuous_usage_stats": None}[field]
     if field == "stream_options.continuous_usage_stats":
         assert _post(server, path, {**body, "max_tokens": 2, "stream": True,

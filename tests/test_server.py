@@ -104,6 +104,42 @@ def test_chat_stream_and_non_stream(client, offline):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
 
 
+def test_return_token_ids_where_vllm_puts_them(server, offline):
+    """vLLM's return_token_ids: completions give each choice its prompt_token_ids and token_ids
+    (streamed: the prompt's on a choice's first chunk, each chunk its new ids); chat gives the
+    prompt's at the top (streamed: on the first chunk) and each choice its token_ids. The ids
+    are the offline engine's for the same request."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["Token ids of", "a second prompt"]
+    expected = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in offline.generate(prompts, params, use_tqdm=False)]
+    body = {"prompt": prompts, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = post(server, "/v1/completions", body).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in whole["choices"]] == expected
+    chunks = _sse(post(server, "/v1/completions", {**body, "stream": True}))
+    for i, (prompt_ids, token_ids) in enumerate(expected):
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == i]
+        assert [c.get("prompt_token_ids") for c in mine] == [prompt_ids] + [None] * (len(mine) - 1)
+        assert [t for c in mine for t in c["token_ids"]] == token_ids
+    assert "token_ids" not in post(server, "/v1/completions", {**body, "return_token_ids": None}).json()["choices"][0]
+
+    messages = [{"role": "user", "content": "Ids, please."}]
+    chat_prompt = offline.apply_chat_template(messages)
+    chat_ids = offline.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    chat = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    answer = post(server, "/v1/chat/completions", chat).json()
+    assert answer["prompt_token_ids"] == chat_prompt and answer["choices"][0]["token_ids"] == chat_ids
+    chunks = _sse(post(server, "/v1/chat/completions", {**chat, "stream": True}))
+    assert [c.get("prompt_token_ids") for c in chunks] == [chat_prompt] + [None] * (len(chunks) - 1)
+    assert [t for chunk in chunks[1:] for c in chunk["choices"] for t in c["token_ids"]] == chat_ids
+
+
+def _sse(resp) -> list[dict]:
+    assert resp.status_code == 200, resp.text
+    events = [line[len("data: "):] for line in resp.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
 def test_missing_model_means_the_served_one(server):
     resp = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert resp.status_code == 200 and resp.json()["model"] == MODEL
