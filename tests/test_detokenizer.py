@@ -33,13 +33,8 @@ def expected_output(tokenizer: Tokenizer, ids: list[int], cut: int) -> str:
     return whole[len(os.path.commonprefix([whole, prompt])):]
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
-@given(text=st.text(ALPHABET, min_size=2, max_size=24), data=st.data(), streamed=st.booleans())
-def test_output_text_is_the_whole_decode_after_the_prompt(tokenizer, text, data, streamed):
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
-    if len(ids) < 2:
-        return
-    cut = data.draw(st.integers(1, len(ids) - 1))
+def assert_detokenizes_as_the_whole(tokenizer: Tokenizer, ids: list[int], cut: int, streamed: bool) -> None:
+    """ids[:cut] the prompt, the rest output, one token at a time or in one piece."""
     detok = IncrementalDetokenizer(tokenizer, ids[:cut], SamplingParams())
     pieces = []
     for chunk in ([[t] for t in ids[cut:]] if streamed else [ids[cut:]]):
@@ -47,6 +42,16 @@ def test_output_text_is_the_whole_decode_after_the_prompt(tokenizer, text, data,
         pieces.append(detok.next_delta(False))
     pieces.append(detok.next_delta(True))
     assert "".join(pieces) == detok.text == expected_output(tokenizer, ids, cut)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(text=st.text(ALPHABET, min_size=2, max_size=24), data=st.data(), streamed=st.booleans())
+def test_output_text_is_the_whole_decode_after_the_prompt(tokenizer, text, data, streamed):
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if len(ids) < 2:
+        return
+    cut = data.draw(st.integers(1, len(ids) - 1))
+    assert_detokenizes_as_the_whole(tokenizer, ids, cut, streamed)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -55,13 +60,7 @@ def test_output_text_is_the_whole_decode_after_the_prompt(tokenizer, text, data,
 def test_any_token_ids_give_the_whole_decode_after_the_prompt(tokenizer, ids, data, streamed):
     """Byte tokens (ids below ~300) make invalid UTF-8 as often as partial characters."""
     cut = data.draw(st.integers(1, len(ids) - 1))
-    detok = IncrementalDetokenizer(tokenizer, ids[:cut], SamplingParams())
-    pieces = []
-    for chunk in ([[t] for t in ids[cut:]] if streamed else [ids[cut:]]):
-        detok.update(chunk)
-        pieces.append(detok.next_delta(False))
-    pieces.append(detok.next_delta(True))
-    assert "".join(pieces) == detok.text == expected_output(tokenizer, ids, cut)
+    assert_detokenizes_as_the_whole(tokenizer, ids, cut, streamed)
 
 
 def test_a_prompt_of_invalid_bytes_stays_out_of_the_output(tokenizer):
