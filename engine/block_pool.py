@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from engine.errors import InvalidRequestError
 from engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from engine.request import Request
 
@@ -26,6 +27,27 @@ def root_block_hash(fingerprint: str) -> bytes:
 def hash_block_tokens(parent_hash: bytes, token_ids: list[int] | tuple[int, ...], extra: bytes = b"") -> bytes:
     payload = struct.pack(f"<{len(token_ids)}q", *token_ids)
     return hashlib.sha256(parent_hash + payload + extra).digest()
+
+
+MAX_CACHE_SALT_LEN = 1024
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """None (shares KV with every unsalted request) or a non-empty str that is UTF-8 (no lone
+    surrogate), as vLLM takes it; else an InvalidRequestError naming the field."""
+    if cache_salt is None or (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_LEN
+                              and _is_utf8(cache_salt)):
+        return
+    raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
+                              "characters (or null)", "cache_salt")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
 
 
 def salted_root(root_hash: bytes, cache_salt: str | None) -> bytes:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
-from engine.block_pool import BlockHasher, root_block_hash
+from engine.block_pool import BlockHasher, check_cache_salt, root_block_hash
 from engine.config import EngineConfig
 from engine.cpu_placement import apply_placement
 from engine.errors import InvalidRequestError, PrefillElsewhere
@@ -51,25 +51,6 @@ from engine.worker.models import ModelConfig, model_config_from_hf
 logger = logging.getLogger("engine")
 
 MAX_REQUEST_ID_LEN = 256
-MAX_CACHE_SALT_LEN = 1024
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:  # a lone surrogate
-        return False
-    return True
-
-
-def check_cache_salt(cache_salt: object) -> None:
-    """None (shares KV with every unsalted request) or a non-empty str, as vLLM takes it."""
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
-                                   or len(cache_salt) > MAX_CACHE_SALT_LEN or not _encodable(cache_salt)):
-        raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
-                                  "characters (or null)", "cache_salt")
-
-
 MAX_KEPT_DURATIONS = 4096  # transfer and load durations kept for a reader that never drains (offline use)
 HANDED_OFF = RequestStatus.FINISHED_HANDED_OFF.finish_reason
 

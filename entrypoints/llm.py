@@ -92,8 +92,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
-                salt = prompt.cache_salt if isinstance(prompt, SaltedPrompt) else None
-                prompt = prompt.prompt if isinstance(prompt, SaltedPrompt) else prompt
+                prompt, salt = (prompt.prompt, prompt.cache_salt) if isinstance(prompt, SaltedPrompt) else (prompt, None)
                 engine.add_request(request_id, prompt, p, OutputKind.FINAL_ONLY, cache_salt=salt)
                 ids.append(request_id)
             results: dict[str, RequestOutput] = {}

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
+from engine.block_pool import check_cache_salt
+from engine.errors import InvalidRequestError
+
 
 @dataclass(frozen=True)
 class SaltedPrompt:
@@ -65,8 +68,10 @@ def _one_prompt(value: object, where: str) -> PromptInput | None:
     if unsupported:
         raise ValueError(f"{where}: {', '.join(unsupported)} is not supported by this engine (text prompts only)")
     salt = value.pop("cache_salt", None)
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"{where}['cache_salt'] must be a non-empty str, got {salt!r:.40}")
+    try:
+        check_cache_salt(salt)
+    except InvalidRequestError as exc:
+        raise ValueError(f"{where}['cache_salt']: {exc}") from None
     prompt = _prompt_of_dict(value, where)
     return prompt if salt is None else SaltedPrompt(prompt, salt)
 

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.block_pool import MAX_CACHE_SALT_LEN
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
 
@@ -254,7 +255,7 @@ class _SamplingFields(_RequestModel):
     kv_transfer_params: dict[str, Any] | list[dict[str, Any]] | None = None
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM's tenant isolation: KV (prefix cache, tiers, events) shared only among requests of one salt.
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_LEN)
     # vLLM's: the prompt's and each choice's token ids in the answer (prompt_token_ids, token_ids).
     return_token_ids: bool = False
     logit_bias: dict[str, float] | None = None

@@ -84,8 +84,7 @@ ALWAYS_INLINE void widen_halves(float* dst, const uint8_t* src, int64_t n) {
 constexpr int kScaleStage = 64;  // blocks whose scales are widened at a time (on the stack); even
 
 // The pass over one weight row: its scales widened kScaleStage blocks at a time, then
-// block(j, g, chain) for each block (j: its index in the stage, g: in the row; chain: g % 2 as a
-// compile-time constant, for kernels that keep one accumulator chain per parity).
+// block(j, g) for each block in order (j: its index in the stage, g: in the row).
 template <int Type, typename F>
 ALWAYS_INLINE void for_each_block(const uint8_t* row, int64_t groups, float* d, float* m, F&& block) {
   const uint8_t* scales = row + groups * int_bytes(Type);
@@ -93,12 +92,7 @@ ALWAYS_INLINE void for_each_block(const uint8_t* row, int64_t groups, float* d, 
     const int64_t stage = std::min<int64_t>(kScaleStage, groups - g0);
     widen_halves(d, scales + 2 * g0, stage);
     if constexpr (Type == kQ4_1) widen_halves(m, scales + 2 * (groups + g0), stage);
-    int64_t j = 0;  // kScaleStage is even: j and g have the same parity
-    for (; j + 1 < stage; j += 2) {
-      block(j, g0 + j, std::integral_constant<int, 0>{});
-      block(j + 1, g0 + j + 1, std::integral_constant<int, 1>{});
-    }
-    if (j < stage) block(j, g0 + j, std::integral_constant<int, 0>{});
+    for (int64_t j = 0; j < stage; ++j) block(j, g0 + j);
   }
 }
 
@@ -117,7 +111,7 @@ void quant_dot_rows(float* out, int64_t out_stride, int64_t base, const float* x
     const uint8_t* ints = w + n * row_bytes;
     Vec acc[V][R];
     UNROLL for (int v = 0; v < V; ++v) UNROLL for (int r = 0; r < R; ++r) acc[v][r] = Vec::zero();
-    for_each_block<Type>(ints, groups, d, m, [&](int64_t j, int64_t g, auto) {
+    for_each_block<Type>(ints, groups, d, m, [&](int64_t j, int64_t g) {
       Vec q[V];
       unpack_block<Type>(ints + g * int_bytes(Type), q);
       const Vec scale = Vec::set1(d[j]);
