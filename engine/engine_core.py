@@ -14,8 +14,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from transformers import AutoTokenizer
-
 from engine.block_pool import BlockHasher, check_cache_salt, root_block_hash
 from engine.config import EngineConfig
 from engine.cpu_placement import apply_placement
@@ -42,6 +40,7 @@ from engine.request import Request, RequestStatus
 from engine.request_ids import sequence_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.tokenizer_loading import load_tokenizer
 from engine.worker import loader
 from engine.worker.quantized import METHODS, QUANTIZER_VERSION, kernel_numerics
 from engine.worker.backends import KV_LAYOUT
@@ -79,7 +78,7 @@ class EngineCore:
         model_dir = loader.resolve_model(config.model, config.revision, config.download_dir)
         self.model_dir = model_dir
         # For EOS ids and structured output's vocabulary only: text is the front end's.
-        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         hf_config = loader.load_hf_config(model_dir)
         self.eos_token_ids = self._eos_token_ids(hf_config, loader.load_generation_config(model_dir))
         model_config = model_config_from_hf(hf_config)

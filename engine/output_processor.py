@@ -90,10 +90,9 @@ class Processed:
 
 class OutputProcessor:
     def __init__(self, tokenizer, kv_secret: KVSecret | None = None) -> None:
-        # A copy of the fast tokenizer's backend: this one is entered from this thread only
-        # (the API server tokenizes prompts on another).
-        backend = getattr(tokenizer, "_tokenizer", tokenizer)
-        self.tokenizer: Tokenizer = Tokenizer.from_str(backend.to_str())
+        # The fast tokenizer's backend, shared with the thread that encodes prompts: safe as
+        # engine.tokenizer_loading loaded it (nothing mutates it after the load).
+        self.tokenizer: Tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
         self.kv_secret = kv_secret
         self._requests: dict[str, _Request] = {}
         self._request_of: dict[str, str] = {}  # sequence id -> request id

@@ -181,10 +181,10 @@ def _load_server_side(model_dir: str):
     """What only the API process needs: the web stack and the tokenizer (which imports
     transformers and, through it, torch). Seconds, spent while the engine core starts."""
     import uvicorn  # noqa: F401
-    from transformers import AutoTokenizer
 
     import entrypoints.api_server  # noqa: F401
-    return AutoTokenizer.from_pretrained(model_dir)
+    from engine.tokenizer_loading import load_tokenizer
+    return load_tokenizer(model_dir)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -44,6 +44,13 @@ def cuda_kv_budget(total: int, free: int, utilization: float, activation_bytes: 
     return budget
 
 
+def allocate_on(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model.to_empty(device=device)``, without its cost: to_empty's ``empty_like`` of a meta
+    tensor runs torch's Python reference, which imports torch.fx's symbolic shapes and sympy
+    (~500 modules, ~20 MiB resident for the process's life)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,7 +88,7 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_class(self.model_config)(self.model_config, self.kernels)
         quantized_ops = self._quantize(model, model_dir)
-        model = model.to(self.dtype).to_empty(device=self.device)
+        model = allocate_on(model.to(self.dtype), self.device)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rope(self.device)
