@@ -64,6 +64,8 @@ setup(
         "hiredis",  # redis-py's C reply parser: large KV values parse without holding the GIL for long
         # Structured output (JSON schema, regex, choice, grammar): a 3 MB wheel, no torch or triton pin.
         "llguidance>=1.0,<2",
+        # vLLM's sha256_cbor block hashes for the KV events (--prefix-caching-hash-algo).
+        "cbor2>=5",
     ],
     extras_require={
         "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib", "hypothesis>=6.170,<7",

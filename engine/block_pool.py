@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from engine.errors import InvalidRequestError
-from engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from engine.kv_events import MEDIUM, BlockRemoved, BlockStored, KVCacheEvent
 from engine.request import Request
 
 KV_HASH_VERSION = b"engine-kv-hash/v1"
@@ -67,6 +67,14 @@ class BlockHasher:
         self.block_size = block_size
         self.root_hash = root_hash
 
+    def prompt_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+        """The hashes of a token sequence's full blocks (what a router computes)."""
+        hashes, parent, bs = [], salted_root(self.root_hash, cache_salt), self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            parent = hash_block_tokens(parent, token_ids[start:start + bs])
+            hashes.append(parent)
+        return hashes
+
     def __call__(self, request: Request) -> None:
         hashes = request.block_hashes
         tokens = request.all_token_ids
@@ -109,6 +117,9 @@ class BlockPool:
         # Prefix-cache changes since the engine last drained them (engine/kv_events.py), or
         # None when nobody publishes them.
         self.kv_events: list[KVCacheEvent] | None = None
+        # What the events named each cached block, where that is not its hash (vLLM's hashes,
+        # engine/vllm_block_hash.py): its BlockRemoved must name it the same way.
+        self._event_names: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -143,7 +154,7 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         if evicted and self.kv_events is not None:
-            self.kv_events.append(BlockRemoved(evicted, None))
+            self.kv_events.append(BlockRemoved(evicted, MEDIUM, 0))
         return out
 
     def _evict(self, block: KVCacheBlock, evicted: list[bytes]) -> None:
@@ -151,7 +162,7 @@ class BlockPool:
         assert block_hash is not None
         if self.cached.get(block_hash) is block:
             del self.cached[block_hash]
-            evicted.append(block_hash)
+            evicted.append(self._event_names.pop(block_hash, block_hash))
             if self.on_evict is not None:
                 self.on_evict(block_hash, block.block_id)
         block.block_hash = None
@@ -167,10 +178,12 @@ class BlockPool:
                     self.free_queue.move_to_end(block.block_id, last=False)
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes],
-                          start: int, end: int, token_ids: list[int] = (), block_size: int = 0) -> None:
+                          start: int, end: int, token_ids: list[int] = (), block_size: int = 0,
+                          event_hashes: list[int] | None = None, cache_salt: str | None = None) -> None:
         """Register blocks[start:end] under their hashes. A hash already cached elsewhere
         (the same prefix computed twice concurrently) keeps its first block. ``token_ids``
-        (the request's) and ``block_size`` only go into KV events."""
+        (the request's), ``block_size``, ``event_hashes`` (the names the events give the
+        request's blocks, when not their hashes) and ``cache_salt`` only go into KV events."""
         if not self.enable_caching:
             return
         stored: list[int] = []
@@ -185,14 +198,21 @@ class BlockPool:
             self.cached[block_hash] = block
             stored.append(i)
         if stored and self.kv_events is not None:
+            names = block_hashes
+            if event_hashes is not None:
+                names = event_hashes
+                self._event_names.update((block_hashes[i], event_hashes[i]) for i in stored)
             # One event per run of consecutive blocks: each names the parent of its first.
             runs = [[stored[0]]]
             for i in stored[1:]:
                 runs[-1].append(i) if i == runs[-1][-1] + 1 else runs.append([i])
             for run in runs:
+                # vLLM's extra keys, for a router rebuilding its hashes: the salt, on a first block.
+                extra = [(cache_salt,) if i == 0 and cache_salt else None for i in run]
                 self.kv_events.append(BlockStored(
-                    [block_hashes[i] for i in run], block_hashes[run[0] - 1] if run[0] else None,
-                    list(token_ids[run[0] * block_size:(run[-1] + 1) * block_size]), block_size, None, None))
+                    [names[i] for i in run], names[run[0] - 1] if run[0] else None,
+                    list(token_ids[run[0] * block_size:(run[-1] + 1) * block_size]), block_size, None, MEDIUM,
+                    None, extra if event_hashes is not None and any(extra) else None, 0))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix held by free blocks (blocks in use keep theirs).
@@ -207,7 +227,7 @@ class BlockPool:
         for block in blocks:
             if block.block_hash is not None and self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                removed.append(block.block_hash)
+                removed.append(self._event_names.pop(block.block_hash, block.block_hash))
             block.block_hash = None
         if removed and self.kv_events is not None:
-            self.kv_events.append(BlockRemoved(removed, None))
+            self.kv_events.append(BlockRemoved(removed, MEDIUM, 0))

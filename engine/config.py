@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.cpu_placement import check_placement
 from engine.kv_events import KVEventsConfig, parse_kv_events_config
+from engine.vllm_block_hash import hash_function
 from engine.kv_transfer.secret import KVSecret, load_kv_secret
 
 _SIZE_UNITS = {
@@ -190,6 +191,9 @@ class EngineConfig:
     borrow_cores_file: str | None = None
     # KV events for routers (engine/kv_events.py): vLLM's --kv-events-config, a dict or JSON.
     kv_events_config: KVEventsConfig | dict | str | None = None
+    # What the KV events name blocks by (engine/vllm_block_hash.py): None, the engine's own
+    # fingerprint-rooted hashes; "sha256" | "sha256_cbor", vLLM's (for routers that compute them).
+    prefix_caching_hash_algo: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_transfer_config, dict):
@@ -203,6 +207,8 @@ class EngineConfig:
         if (self.lend_cores_file or self.borrow_cores_file) and self.cpu_cores is None:
             raise ValueError("core lending needs the instance's own cores: cpu_cores")
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+        if self.prefix_caching_hash_algo is not None:
+            hash_function(self.prefix_caching_hash_algo)  # ValueError naming the choices
         name = str(self.dtype).removeprefix("torch.")  # a torch.dtype is read by its name
         self.dtype = DTYPE_ALIASES.get(name, name)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -41,6 +41,7 @@ from engine.request_ids import sequence_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer_loading import load_tokenizer
+from engine.vllm_block_hash import VllmBlockHasher, both_hashes
 from engine.worker import loader
 from engine.worker.quantized import METHODS, QUANTIZER_VERSION, kernel_numerics
 from engine.worker.backends import KV_LAYOUT
@@ -132,6 +133,11 @@ class EngineCore:
         if config.kv_store:  # every tier in the stats from the start, not only after the first step
             self.kv_connector_stats = tiered_worker.stats(read_used_bytes=False)
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
+        # vLLM's hashes, beside the engine's, when the KV events are to name blocks by them.
+        self.event_hasher = None
+        if config.prefix_caching_hash_algo is not None and config.kv_events_config is not None:
+            self.event_hasher = VllmBlockHasher(config.prefix_caching_hash_algo, config.block_size)
+            self.block_hasher = both_hashes(self.block_hasher, self.event_hasher)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, connector,

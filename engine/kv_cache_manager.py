@@ -109,7 +109,8 @@ class KVCacheManager:
         start = self.num_cached_block.get(request.request_id, 0)
         if num_full > start:
             self.pool.cache_full_blocks(self.req_to_blocks[request.request_id], request.block_hashes,
-                                        start, num_full, request.all_token_ids, self.block_size)
+                                        start, num_full, request.all_token_ids, self.block_size,
+                                        request.event_block_hashes or None, request.cache_salt)
             self.num_cached_block[request.request_id] = num_full
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -6,8 +6,9 @@ the msgpack-encoded batch. ``BlockStored`` names blocks that entered the prefix 
 chained hashes, in order, the parent of the first, their tokens), ``BlockRemoved`` blocks that
 left it, ``AllBlocksCleared`` everything (always the first batch a publisher sends: a subscriber
 seeing it drops what it knew of this instance, e.g. after a restart). The hashes are those of
-engine/block_pool.py: SHA-256 chains from a root derived from the model fingerprint, so anyone
-with the tokens and the fingerprint computes the same ones.
+engine/block_pool.py (SHA-256 chains from a root derived from the model fingerprint, so anyone
+with the tokens and the fingerprint computes the same ones), or with
+``--prefix-caching-hash-algo`` vLLM's, as 64-bit integers (engine/vllm_block_hash.py).
 
 A subscriber that sees a gap in the sequence asks the replay socket (ROUTER) for the batches
 from a sequence number on: it sends the number (8 bytes big-endian; a DEALER sends an empty
@@ -42,19 +43,31 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Base of the events (tagged by class name, as vLLM's)."""
 
 
-# Every field required, as in vLLM: array_like drops trailing defaults, which its decoder refuses.
+# vLLM's name for an instance's own KV pool, whatever its device (a CPU engine's too).
+MEDIUM = "GPU"
+
+BlockHash = Union[bytes, int]  # the engine's 32-byte hashes, or vLLM's as 64-bit integers
+
+
+# The fields in vLLM's order (0.20): a decoder that knows fewer ignores the trailing ones. The
+# first seven are always sent (array_like drops trailing defaults, which older decoders refuse).
 class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    # Per block, what vLLM's hash covers besides tokens: (cache_salt,) on a salted first block.
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None  # the KV cache group (always 0: one group)
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
+    block_hashes: list[BlockHash]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -120,6 +133,9 @@ class KVEventPublisher:
 
     def __init__(self, config: KVEventsConfig, secret=None) -> None:
         self.config, self.secret = config, secret
+        # Where the sockets are bound (a port 0 in the config is chosen at bind): what /status shows.
+        self.endpoint: str = config.endpoint
+        self.replay_endpoint: str | None = config.replay_endpoint
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -133,7 +149,8 @@ class KVEventPublisher:
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         if events:
-            self._queue.put(KVEventBatch(ts=time.time(), events=events))
+            # data_parallel_rank as vLLM's publisher sets it (this engine is one rank).
+            self._queue.put(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
 
     def shutdown(self) -> None:
         self._queue.put(None)
@@ -155,6 +172,9 @@ class KVEventPublisher:
             pub = self._socket(ctx, zmq.PUB, self.config.endpoint)
             replay = (self._socket(ctx, zmq.ROUTER, self.config.replay_endpoint)
                       if self.config.replay_endpoint else None)
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if replay is not None:
+                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
             if replay is not None:
                 # A replay is the whole buffer at once: a ROUTER over its high-water mark drops
                 # silently, so it has none (the buffer itself bounds what can queue).

@@ -97,6 +97,10 @@ class Request:
         self.error: str | None = None
 
         self.block_hashes: list[bytes] = []
+        # What the KV events name its full blocks by, when that is not block_hashes (vLLM's
+        # hashes: engine/vllm_block_hash.py), and the last of them whole (the next one's parent).
+        self.event_block_hashes: list[int] = []
+        self.event_parent_hash: bytes | None = None
         self._block_hasher = block_hasher
         if block_hasher is not None:
             block_hasher(self)

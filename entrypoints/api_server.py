@@ -305,13 +305,18 @@ class OpenAIServer:
 
     def kv_events_info(self) -> dict | None:
         """Where this instance publishes KV events, and what a router needs to compute the block
-        hashes they name (engine/block_pool.py): the block size and the root hash."""
+        hashes they name: the hash algorithm ("engine": engine/block_pool.py's, or vLLM's:
+        engine/vllm_block_hash.py), the block size and the root hash (the parent of every first
+        block)."""
         config, info = self.client.config, self.client.info
         events = config.kv_events_config
         if events is None or info is None:
             return None
-        return {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic,
-                "block_size": config.block_size, "root_block_hash": root_block_hash(info.fingerprint).hex()}
+        root = info.event_root_hash or root_block_hash(info.fingerprint)
+        return {"endpoint": info.kv_events_endpoint or events.endpoint,
+                "replay_endpoint": info.kv_events_replay_endpoint or events.replay_endpoint, "topic": events.topic,
+                "block_size": config.block_size, "hash_algo": config.prefix_caching_hash_algo or "engine",
+                "root_block_hash": root.hex()}
 
     def models(self) -> dict:
         max_len = self.client.info.max_model_len if self.client.info else None

@@ -139,6 +139,19 @@ def _redis_hosts(kv_store: str | None) -> list[str]:
     return hosts
 
 
+def kv_events_config(args: argparse.Namespace) -> str | dict | None:
+    """--kv-events-config as given, or for --kv-events one on the API's host, with ports the
+    instance chooses (its /status shows them; engine proxy reads them there)."""
+    if args.kv_events and args.kv_events_config:
+        raise ValueError("--kv-events and --kv-events-config: give one (the first chooses its own ports)")
+    if args.prefix_caching_hash_algo and not (args.kv_events or args.kv_events_config):
+        raise ValueError("--prefix-caching-hash-algo names the blocks of the KV events: it needs --kv-events")
+    if not args.kv_events:
+        return args.kv_events_config
+    host = "127.0.0.1" if args.host == "localhost" else f"[{args.host}]" if ":" in args.host else args.host
+    return {"enable_kv_cache_events": True, "endpoint": f"tcp://{host}:0", "replay_endpoint": f"tcp://{host}:0"}
+
+
 def check_kv_exposure(args: argparse.Namespace, config) -> None:
     """Safe by default: the KV plane is only reachable beyond this host with a deployment
     secret. That is a prefill's KV port, a decode's readiness to act on the kv_transfer_params
@@ -198,7 +211,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = args.served_model_name or [args.model_path or args.model or "SmolLM2-135M-Instruct"]
     config = EngineConfig(model=str(model_dir), kv_transfer_config=kv_transfer_config(args),
                           lend_cores_file=args.lend_cores, borrow_cores_file=args.borrow_cores,
-                          kv_events_config=args.kv_events_config, **engine_kwargs(args))
+                          kv_events_config=kv_events_config(args),
+                          prefix_caching_hash_algo=args.prefix_caching_hash_algo, **engine_kwargs(args))
     check_kv_exposure(args, config)
     api_key = args.api_key or os.environ.get("ENGINE_API_KEY")
 
@@ -437,6 +451,14 @@ def main(argv: list[str] | None = None) -> int:
                      help="allow the KV plane (--role prefill/decode, --kv-store) on a non-loopback address, or with a remote "
                           "Redis, without a deployment secret "
                           "(anyone who reaches the ports can then read KV or steer the decode instance)")
+    srv.add_argument("--kv-events", action="store_true",
+                     help="publish prefix-cache changes for routers (engine proxy --routing kv-aware, llm-d, Dynamo) on "
+                          "two ports of --host this instance chooses; /status shows them (off loopback: needs the "
+                          "deployment secret)")
+    srv.add_argument("--prefix-caching-hash-algo", default=None, choices=["sha256", "sha256_cbor"],
+                     help="name the KV events' blocks by vLLM's hashes (64-bit, rooted at PYTHONHASHSEED, which every "
+                          "instance and router must share) instead of the engine's own, for routers that compute "
+                          "vLLM's (llm-d's precise prefix-cache scorer: sha256_cbor)")
     srv.add_argument("--kv-events-config", default=None, metavar="JSON",
                      help='publish prefix-cache changes for routers, vLLM-style: {"enable_kv_cache_events": true, '
                           '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", '

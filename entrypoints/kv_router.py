@@ -41,8 +41,7 @@ import zmq.utils.monitor
 
 from engine.block_pool import BlockHasher
 from engine.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, event_keys
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.vllm_block_hash import VllmBlockHasher
 
 logger = logging.getLogger("engine.proxy")
 
@@ -53,7 +52,8 @@ REPLAY_TIMEOUT_MS = 2000
 class InstanceIndex:
     """The block hashes one instance holds, as its events say."""
     url: str
-    hashes: set[bytes] = field(default_factory=set)
+    hashes: set[bytes | int] = field(default_factory=set)
+    publishing: bool = False  # the instance advertises KV events and they are followed
     last_seq: int = -1
     resyncs: int = 0  # times the index was dropped (restart, or a gap the replay could not fill)
     routed: int = 0  # requests routed here
@@ -218,24 +218,44 @@ def connectable(endpoint: str, instance_url: str) -> str:
 @dataclass
 class PromptBlocks:
     num_tokens: int
-    by_root: dict[tuple[int, bytes], list[bytes]]
+    by_hasher: dict[tuple, list]  # hasher_key(...) -> the prompt's block hashes under it
+
+
+def hasher_key(events_info: dict) -> tuple:
+    """What determines the hashes an instance's events name: algorithm, block size, root."""
+    return (events_info.get("hash_algo", "engine"), int(events_info["block_size"]), events_info["root_block_hash"])
+
+
+def make_hasher(key: tuple) -> BlockHasher | VllmBlockHasher:
+    algo, block_size, root = key
+    if algo == "engine":
+        return BlockHasher(block_size, bytes.fromhex(root))
+    return VllmBlockHasher(algo, block_size, root=bytes.fromhex(root))
 
 
 class KVRouter:
     def __init__(self, load_weight: float = 32.0, secret=None, max_skew: int = 8) -> None:
         self.load_weight, self.secret, self.max_skew = load_weight, secret, max_skew
         self.indexes: dict[str, InstanceIndex] = {}
-        self.hashers: dict[str, BlockHasher] = {}
+        self.hasher_keys: dict[str, tuple] = {}  # url -> hasher_key of its events
+        self.hashers: dict[tuple, BlockHasher | VllmBlockHasher] = {}
         self.subscribers: list[EventSubscriber] = []
 
     def watch(self, url: str, events_info: dict | None) -> None:
         """Start following an instance's events (``events_info``: its /status ``kv_events``)."""
         index = self.indexes.setdefault(url, InstanceIndex(url))
         if not events_info:
-            logger.warning("%s publishes no KV events (start it with --kv-events-config): it counts as holding "
+            logger.warning("%s publishes no KV events (start it with --kv-events): it counts as holding "
                            "nothing", url)
             return
-        self.hashers[url] = BlockHasher(int(events_info["block_size"]), bytes.fromhex(events_info["root_block_hash"]))
+        try:
+            key = hasher_key(events_info)
+            self.hashers.setdefault(key, make_hasher(key))
+        except (KeyError, ValueError, TypeError) as exc:
+            logger.warning("%s: cannot follow its KV events (%s): it counts as holding nothing", url, exc)
+            return
+        self.hasher_keys[url] = key
+        index.publishing = True
         replay = events_info.get("replay_endpoint")
         subscriber = EventSubscriber(index, connectable(events_info["endpoint"], url),
                                      connectable(replay, url) if replay else None,
@@ -244,16 +264,11 @@ class KVRouter:
         self.subscribers.append(subscriber)
 
     def prompt_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> "PromptBlocks":
-        """The prompt's block hashes under every root the instances use (one per model
-        fingerprint and block size), salted as the instances salt them. CPU work: callers run it
-        off the event loop."""
-        by_root: dict[tuple[int, bytes], list[bytes]] = {}
-        for hasher in self.hashers.values():
-            key = (hasher.block_size, hasher.root_hash)
-            if key not in by_root:
-                by_root[key] = Request("route", token_ids, SamplingParams(), frozenset(), 1, hasher,
-                                       cache_salt=cache_salt).block_hashes
-        return PromptBlocks(len(token_ids), by_root)
+        """The prompt's block hashes under every way the instances hash (one per model
+        fingerprint, block size and hash algorithm), salted as the instances salt them. CPU work:
+        callers run it off the event loop."""
+        return PromptBlocks(len(token_ids), {key: hasher.prompt_hashes(token_ids, cache_salt)
+                                             for key, hasher in self.hashers.items()})
 
     def choose(self, candidates: list, prompt: "PromptBlocks | None"):
         """(the upstream with the lowest cost, predicted cached tokens there). ``candidates``
@@ -266,10 +281,9 @@ class KVRouter:
             if upstream.in_flight > least + self.max_skew:
                 continue
             hit = 0
-            hasher, index = self.hashers.get(upstream.url), self.indexes.get(upstream.url)
-            if prompt is not None and hasher is not None and index is not None:
-                hashes = prompt.by_root.get((hasher.block_size, hasher.root_hash), [])
-                hit = index.prefix_blocks(hashes) * hasher.block_size
+            key, index = self.hasher_keys.get(upstream.url), self.indexes.get(upstream.url)
+            if prompt is not None and key is not None and index is not None:
+                hit = index.prefix_blocks(prompt.by_hasher.get(key, [])) * key[1]
             cost = ((prompt.num_tokens if prompt else 0) - hit) + self.load_weight * upstream.in_flight
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = upstream, cost, hit
@@ -284,7 +298,8 @@ class KVRouter:
             index.predicted_hits += hit
 
     def status(self) -> list[dict]:
-        return [{"url": i.url, "index_blocks": len(i.hashes), "last_seq": i.last_seq, "resyncs": i.resyncs,
+        return [{"url": i.url, "kv_events": i.publishing, "index_blocks": len(i.hashes), "last_seq": i.last_seq,
+                 "resyncs": i.resyncs,
                  "routed": i.routed, "prompt_tokens": i.prompt_tokens, "predicted_hits": i.predicted_hits,
                  "predicted_hit_rate": round(i.predicted_hits / i.prompt_tokens, 4)
                  if i.prompt_tokens else None} for i in self.indexes.values()]

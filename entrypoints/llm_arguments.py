@@ -38,7 +38,7 @@ def _read_vllm_only(name: str, value: object) -> None:
 
 VLLM_ONLY = frozenset(SINGLE_DEVICE + ("enforce_eager", "trust_remote_code"))
 # EngineConfig fields that only a served engine acts on (engine/core.py): refused offline.
-SERVER_ONLY = frozenset({"kv_events_config", "lend_cores_file", "borrow_cores_file"})
+SERVER_ONLY = frozenset({"kv_events_config", "prefix_caching_hash_algo", "lend_cores_file", "borrow_cores_file"})
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig) if f.init) - {"model"} - SERVER_ONLY
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import types
 from typing import Any, Optional, Union
 
 import httpx
@@ -71,21 +73,51 @@ def test_block_pool_reports_stored_runs_and_removals():
     tokens = list(range(64))
     pool.cache_full_blocks(blocks, hashes, 0, 1, tokens, 16)
     pool.cache_full_blocks(blocks, hashes, 0, 4, tokens, 16)  # block 0 again: not reported twice
-    assert pool.kv_events == [BlockStored([hashes[0]], None, tokens[:16], 16, None, None),
-                              BlockStored(hashes[1:], hashes[0], tokens[16:], 16, None, None)]
+    assert pool.kv_events == [BlockStored([hashes[0]], None, tokens[:16], 16, None, "GPU", None, None, 0),
+                              BlockStored(hashes[1:], hashes[0], tokens[16:], 16, None, "GPU", None, None, 0)]
     pool.kv_events.clear()
     pool.free_blocks(reversed(blocks))
     assert pool.kv_events == []  # freed blocks stay cached (lazy eviction)
     pool.get_new_blocks(4)  # two empty blocks, then the two least recently freed cached ones
-    assert pool.kv_events == [BlockRemoved([hashes[3], hashes[2]], None)]
+    assert pool.kv_events == [BlockRemoved([hashes[3], hashes[2]], "GPU", 0)]
     pool.kv_events.clear()
     pool.uncache(blocks)
-    assert pool.kv_events == [BlockRemoved([hashes[0], hashes[1]], None)]
+    assert pool.kv_events == [BlockRemoved([hashes[0], hashes[1]], "GPU", 0)]
+
+
+def test_block_pool_names_blocks_by_event_hashes_when_given():
+    """vLLM's hashes (--prefix-caching-hash-algo): stores and the removals after them name the
+    blocks the same way; the salt rides as the first block's extra key."""
+    pool = BlockPool(4, enable_caching=True)
+    pool.kv_events = []
+    blocks = pool.get_new_blocks(3)
+    hashes, names = [bytes([i]) * 32 for i in range(3)], [101, 102, 103]
+    tokens = list(range(48))
+    pool.cache_full_blocks(blocks, hashes, 0, 2, tokens, 16, names, "tenant")
+    pool.cache_full_blocks(blocks, hashes, 2, 3, tokens, 16, names, "tenant")
+    assert pool.kv_events == [BlockStored([101, 102], None, tokens[:32], 16, None, "GPU", None,
+                                          [("tenant",), None], 0),
+                              BlockStored([103], 102, tokens[32:], 16, None, "GPU", None, None, 0)]
+    pool.kv_events.clear()
+    pool.free_blocks(reversed(blocks))
+    pool.get_new_blocks(4)
+    assert pool.kv_events == [BlockRemoved([103, 102, 101], "GPU", 0)]
+    assert pool._event_names == {}  # nothing kept for blocks no longer cached
+
+
+def test_wire_format_is_vllm_0_20s_field_order():
+    """The positions a vLLM 0.20 decoder (and Dynamo's, which reads them by position) expects."""
+    event = BlockStored([7], 6, [1, 2], 2, None, "GPU", None, [("s",)], 0)
+    batch = KVEventBatch(1.0, [event, BlockRemoved([7], "GPU", 0)], data_parallel_rank=0)
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
+    assert raw == [1.0, [["BlockStored", [7], 6, [1, 2], 2, None, "GPU", None, [["s"]], 0],
+                         ["BlockRemoved", [7], "GPU", 0]], 0]
 
 
 def test_wire_format_decodes_as_vllms():
-    batch = KVEventBatch(1.5, [AllBlocksCleared(), BlockStored([b"h" * 32], None, [1, 2], 16, None, None),
-                               BlockRemoved([b"h" * 32], None)])
+    batch = KVEventBatch(1.5, [AllBlocksCleared(), BlockStored([b"h" * 32], None, [1, 2], 16, None, "GPU", None,
+                                                               [("salt",)], 0),
+                               BlockRemoved([b"h" * 32], "GPU", 0)])
     decoded = msgspec.msgpack.Decoder(_KVEventBatch).decode(msgspec.msgpack.encode(batch))
     assert decoded.ts == 1.5
     assert [type(e).__name__ for e in decoded.events] == ["_AllBlocksCleared", "_BlockStored", "_BlockRemoved"]
@@ -180,6 +212,67 @@ def test_a_server_publishes_what_it_caches_and_evicts_and_replays_gaps(tiny_llam
         server.stop()
 
 
+class _BlockStored020(_KVCacheEvent, tag="BlockStored"):
+    """vLLM 0.20's BlockStored, int hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, its default)."""
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[list[Optional[tuple]]] = None
+    group_idx: Optional[int] = None
+
+
+class _KVEventBatch020(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Union[_BlockStored020, _BlockRemoved, _AllBlocksCleared]]
+    data_parallel_rank: Optional[int] = None
+
+
+def test_kv_events_with_vllm_hashes_match_what_a_router_computes(tiny_llama):
+    """--kv-events (ports the instance chooses, shown in /status) with --prefix-caching-hash-algo
+    sha256_cbor: every block the events announce is one a router computes from the prompt with
+    vLLM's algorithm and the shared PYTHONHASHSEED, salted requests included; and engine proxy's
+    router, following the same /status, predicts the hit."""
+    from entrypoints.kv_router import KVRouter
+    from tests.test_vllm_block_hash import _reference
+
+    server = ServerProcess(str(tiny_llama), "--num-blocks", "32", "--max-model-len", "256", "--kv-events",
+                           "--prefix-caching-hash-algo", "sha256_cbor", env={"PYTHONHASHSEED": "0"})
+    info = server.status()["kv_events"]
+    assert info["hash_algo"] == "sha256_cbor" and info["block_size"] == 16
+    pub, replay = (int(info[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint"))
+    sub = _Subscriber(pub, replay)
+    sub.decoder = msgspec.msgpack.Decoder(_KVEventBatch020)
+    router = KVRouter()
+    try:
+        router.watch(server.url, info)
+        assert sub.replayed(0)  # connected: the start-up batch
+        prompts = {None: list(range(300, 350)), "tenant-a": list(range(300, 350))}  # 3 full blocks each
+        for salt, prompt in prompts.items():
+            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        stored = [e for _, b in sub.live() for e in b.events if isinstance(e, _BlockStored020)]
+        announced = [h for e in stored for h in e.block_hashes]
+        expected = [h for salt, p in prompts.items() for h in _reference("sha256_cbor", "0", p, 16, salt)]
+        assert announced == expected
+        assert [e.extra_keys for e in stored] == [None, [("tenant-a",), None, None]]
+        assert all(e.medium == "GPU" and e.group_idx == 0 for e in stored)
+        deadline = time.monotonic() + 10
+        while len(router.indexes[server.url].hashes) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        candidates = [types.SimpleNamespace(url=server.url, in_flight=0)]
+        for salt in (None, "tenant-a", "tenant-b"):
+            _, hit = router.choose(candidates, router.prompt_blocks(prompts["tenant-a"], salt))
+            assert hit == (0 if salt == "tenant-b" else 48)
+    finally:
+        router.stop()
+        sub.close()
+        server.stop()
+
+
 def test_off_loopback_events_need_the_secret_and_strangers_read_nothing(tiny_llama, tmp_path):
     pub, replay = free_port(), free_port()
     refused = subprocess.run([sys.executable, "-m", "entrypoints.cli", "serve", str(tiny_llama),
@@ -202,6 +295,27 @@ def test_off_loopback_events_need_the_secret_and_strangers_read_nothing(tiny_lla
         stranger.close()
         insider.close()
         server.stop()
+
+
+def test_kv_events_flags():
+    """--kv-events: ports chosen at bind on the API's host; with --kv-events-config, or
+    --prefix-caching-hash-algo without events, a refusal naming the flags."""
+    import argparse
+
+    from entrypoints.cli import kv_events_config
+
+    def args(**kw):
+        return argparse.Namespace(**{"kv_events": False, "kv_events_config": None, "prefix_caching_hash_algo": None,
+                                     "host": "127.0.0.1", **kw})
+    assert kv_events_config(args(kv_events=True))["endpoint"] == "tcp://127.0.0.1:0"
+    assert kv_events_config(args(kv_events=True, host="::1"))["replay_endpoint"] == "tcp://[::1]:0"
+    assert kv_events_config(args(kv_events_config="{}")) == "{}"
+    with pytest.raises(ValueError, match="give one"):
+        kv_events_config(args(kv_events=True, kv_events_config="{}"))
+    with pytest.raises(ValueError, match="needs --kv-events"):
+        kv_events_config(args(prefix_caching_hash_algo="sha256"))
+    with pytest.raises(ValueError, match="sha256_cbor"):
+        EngineConfig(prefix_caching_hash_algo="md5")
 
 
 def test_bad_kv_events_config_is_refused_naming_the_field():

@@ -20,7 +20,7 @@ GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 def _stored(*hashes: bytes) -> BlockStored:
-    return BlockStored(list(hashes), None, [], 16, None, None)
+    return BlockStored(list(hashes), None, [], 16, None, "GPU", None)
 
 
 def _publisher() -> tuple[KVEventPublisher, KVEventsConfig]:
@@ -35,15 +35,15 @@ def test_cost_trades_cached_tokens_against_load_within_the_skew_limit():
     more than --kv-max-skew above the least loaded, however much it holds."""
     from types import SimpleNamespace
 
-    from engine.block_pool import BlockHasher
     from entrypoints.kv_router import KVRouter, PromptBlocks
     router = KVRouter(load_weight=32, max_skew=8)
     hashes = [bytes([i]) * 32 for i in range(64)]  # a 1024-token prompt in 16-token blocks
+    key = ("engine", 16, "00" * 32)
     for url in ("a", "b"):
-        router.hashers[url] = BlockHasher(16, b"root")
+        router.hasher_keys[url] = key
         router.indexes[url] = InstanceIndex(url)
     router.indexes["a"].hashes.update(hashes)
-    prompt = PromptBlocks(1024, {(16, b"root"): hashes})
+    prompt = PromptBlocks(1024, {key: hashes})
     pick = lambda a_open, b_open: router.choose(  # noqa: E731
         [SimpleNamespace(url="a", in_flight=a_open), SimpleNamespace(url="b", in_flight=b_open)], prompt)
     assert pick(0, 0) == (pick(0, 0)[0], 1024) and pick(0, 0)[0].url == "a"
@@ -62,7 +62,7 @@ def test_index_catches_up_from_the_replay_and_fills_gaps():
         subscriber.start()
         wait_for(lambda: index.hashes == {b"a", b"b"}, timeout=10, state=lambda: index)
         assert index.last_seq == 1  # seq 0 is the start-up AllBlocksCleared
-        publisher.publish([BlockRemoved([b"a"], None)])
+        publisher.publish([BlockRemoved([b"a"], "GPU")])
         wait_for(lambda: index.hashes == {b"b"}, timeout=10, state=lambda: index)
         # A gap: the subscriber asks the replay socket for what it missed.
         index.last_seq -= 1  # as if batch 2 had been lost
