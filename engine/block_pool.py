@@ -207,12 +207,13 @@ class BlockPool:
             for i in stored[1:]:
                 runs[-1].append(i) if i == runs[-1][-1] + 1 else runs.append([i])
             for run in runs:
-                # vLLM's extra keys, for a router rebuilding its hashes: the salt, on a first block.
+                # vLLM's extra keys per block (with its hashes), for a router rebuilding them: the
+                # salt, on a first block.
                 extra = [(cache_salt,) if i == 0 and cache_salt else None for i in run]
                 self.kv_events.append(BlockStored(
                     [names[i] for i in run], names[run[0] - 1] if run[0] else None,
                     list(token_ids[run[0] * block_size:(run[-1] + 1) * block_size]), block_size, None, MEDIUM,
-                    None, extra if event_hashes is not None and any(extra) else None, 0))
+                    None, extra if event_hashes is not None else None, 0))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix held by free blocks (blocks in use keep theirs).

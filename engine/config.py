@@ -209,6 +209,9 @@ class EngineConfig:
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         if self.prefix_caching_hash_algo is not None:
             hash_function(self.prefix_caching_hash_algo)  # ValueError naming the choices
+            if self.kv_events_config is None:
+                raise ValueError("prefix_caching_hash_algo names the blocks of the KV events: it needs them on "
+                                 "(--kv-events)")
         name = str(self.dtype).removeprefix("torch.")  # a torch.dtype is read by its name
         self.dtype = DTYPE_ALIASES.get(name, name)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -129,7 +129,6 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
         push.send(encoder.encode(EngineInfo(engine.max_model_len, engine.vocab_size, config.block_size,
                                             engine.runner.num_blocks, engine.fingerprint,
                                             config.max_num_seqs, core.stats(),
-                                            engine.event_hasher and engine.event_hasher.none_hash,
                                             *((core.kv_events.endpoint, core.kv_events.replay_endpoint)
                                               if core.kv_events is not None else ()))))
         try:

@@ -135,7 +135,7 @@ class EngineCore:
         self.block_hasher = BlockHasher(config.block_size, root_block_hash(self.fingerprint))
         # vLLM's hashes, beside the engine's, when the KV events are to name blocks by them.
         self.event_hasher = None
-        if config.prefix_caching_hash_algo is not None and config.kv_events_config is not None:
+        if config.prefix_caching_hash_algo is not None and config.enable_prefix_caching:
             self.event_hasher = VllmBlockHasher(config.prefix_caching_hash_algo, config.block_size)
             self.block_hasher = both_hashes(self.block_hasher, self.event_hasher)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,

@@ -112,9 +112,6 @@ class EngineInfo(msgspec.Struct, tag="ready"):
     # The core's first stats, so the server's /status shows every configured KV store tier from
     # its first answer (before, it showed none until the core's first stats message arrived).
     stats: EngineStats | None = None
-    # With --prefix-caching-hash-algo and KV events: the NONE_HASH of the events' vLLM hashes
-    # (random per process without PYTHONHASHSEED, so only the core knows it).
-    event_root_hash: bytes | None = None
     # Where the KV events are published, as bound (ports chosen at bind: --kv-events).
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None

@@ -159,6 +159,7 @@ class KVEventPublisher:
     def _socket(self, ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
         sock = ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, ":" in endpoint_host(endpoint))
         if self.secret is not None:
             public, secret_key = event_keys(self.secret, "server")
             sock.curve_server = True

@@ -306,17 +306,19 @@ class OpenAIServer:
     def kv_events_info(self) -> dict | None:
         """Where this instance publishes KV events, and what a router needs to compute the block
         hashes they name: the hash algorithm ("engine": engine/block_pool.py's, or vLLM's:
-        engine/vllm_block_hash.py), the block size and the root hash (the parent of every first
-        block)."""
+        engine/vllm_block_hash.py), the block size and, for the engine's, the root hash (the
+        parent of every first block). vLLM's root is H(PYTHONHASHSEED), which the router must
+        share: never shown (from it the seed, a small number, is found by trying them all, and
+        with it the process's string-hash randomization is gone)."""
         config, info = self.client.config, self.client.info
         events = config.kv_events_config
         if events is None or info is None:
             return None
-        root = info.event_root_hash or root_block_hash(info.fingerprint)
+        algo = config.prefix_caching_hash_algo
+        root = None if algo else root_block_hash(info.fingerprint).hex()
         return {"endpoint": info.kv_events_endpoint or events.endpoint,
                 "replay_endpoint": info.kv_events_replay_endpoint or events.replay_endpoint, "topic": events.topic,
-                "block_size": config.block_size, "hash_algo": config.prefix_caching_hash_algo or "engine",
-                "root_block_hash": root.hex()}
+                "block_size": config.block_size, "hash_algo": algo or "engine", "root_block_hash": root}
 
     def models(self) -> dict:
         max_len = self.client.info.max_model_len if self.client.info else None

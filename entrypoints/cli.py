@@ -144,8 +144,6 @@ def kv_events_config(args: argparse.Namespace) -> str | dict | None:
     instance chooses (its /status shows them; engine proxy reads them there)."""
     if args.kv_events and args.kv_events_config:
         raise ValueError("--kv-events and --kv-events-config: give one (the first chooses its own ports)")
-    if args.prefix_caching_hash_algo and not (args.kv_events or args.kv_events_config):
-        raise ValueError("--prefix-caching-hash-algo names the blocks of the KV events: it needs --kv-events")
     if not args.kv_events:
         return args.kv_events_config
     host = "127.0.0.1" if args.host == "localhost" else f"[{args.host}]" if ":" in args.host else args.host

@@ -40,7 +40,15 @@ import zmq
 import zmq.utils.monitor
 
 from engine.block_pool import BlockHasher
-from engine.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, event_keys
+from engine.kv_events import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    endpoint_host,
+    event_keys,
+)
 from engine.vllm_block_hash import VllmBlockHasher
 
 logger = logging.getLogger("engine.proxy")
@@ -102,6 +110,7 @@ class EventSubscriber(threading.Thread):
     def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, ":" in endpoint_host(endpoint))
         if self.secret is not None:
             sock.curve_serverkey = event_keys(self.secret, "server")[0]
             sock.curve_publickey, sock.curve_secretkey = event_keys(self.secret, "client")
@@ -129,7 +138,10 @@ class EventSubscriber(threading.Thread):
                 if monitor in ready:
                     event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
                     if event == zmq.EVENT_DISCONNECTED:
+                        # Gone, restarting, or (with ports it chooses) moving elsewhere: what it
+                        # held is not known any more; a reconnect replays what it holds then.
                         dropped = True
+                        self.index.reset()
                     elif event == zmq.EVENT_CONNECTED and dropped and replay:
                         dropped = False
                         self._replay(0)
@@ -222,15 +234,18 @@ class PromptBlocks:
 
 
 def hasher_key(events_info: dict) -> tuple:
-    """What determines the hashes an instance's events name: algorithm, block size, root."""
-    return (events_info.get("hash_algo", "engine"), int(events_info["block_size"]), events_info["root_block_hash"])
+    """What determines the hashes an instance's events name: algorithm, block size, root (the
+    engine's; vLLM's comes from the PYTHONHASHSEED the router shares with the instances)."""
+    algo = events_info.get("hash_algo", "engine")
+    root = events_info["root_block_hash"] if algo == "engine" else None
+    return (algo, int(events_info["block_size"]), root)
 
 
 def make_hasher(key: tuple) -> BlockHasher | VllmBlockHasher:
     algo, block_size, root = key
     if algo == "engine":
         return BlockHasher(block_size, bytes.fromhex(root))
-    return VllmBlockHasher(algo, block_size, root=bytes.fromhex(root))
+    return VllmBlockHasher(algo, block_size)
 
 
 class KVRouter:
@@ -239,14 +254,34 @@ class KVRouter:
         self.indexes: dict[str, InstanceIndex] = {}
         self.hasher_keys: dict[str, tuple] = {}  # url -> hasher_key of its events
         self.hashers: dict[tuple, BlockHasher | VllmBlockHasher] = {}
-        self.subscribers: list[EventSubscriber] = []
+        self._warned: set[str] = set()  # instances said once to publish no events
+        # url -> (what its /status said, the subscriber following it)
+        self.subscribers: dict[str, tuple[dict, EventSubscriber]] = {}
 
     def watch(self, url: str, events_info: dict | None) -> None:
-        """Start following an instance's events (``events_info``: its /status ``kv_events``)."""
+        """Follow an instance's events (``events_info``: its /status ``kv_events``). Called again
+        with what /status says now: unchanged, nothing happens; changed (a restarted instance
+        with ports of its own choosing, another hash algorithm), the index starts over and the
+        new endpoints are followed."""
         index = self.indexes.setdefault(url, InstanceIndex(url))
+        previous = self.subscribers.get(url)
+        if previous is not None and previous[0] == events_info:
+            return
+        if previous is not None:
+            previous[1].stop()
+            del self.subscribers[url]
+            # A new index (the old subscriber may apply one last batch to the old one as it stops),
+            # keeping the counters.
+            index = self.indexes[url] = InstanceIndex(url, resyncs=index.resyncs + 1, routed=index.routed,
+                                                      prompt_tokens=index.prompt_tokens,
+                                                      predicted_hits=index.predicted_hits)
+        index.publishing = False
+        self.hasher_keys.pop(url, None)
         if not events_info:
-            logger.warning("%s publishes no KV events (start it with --kv-events): it counts as holding "
-                           "nothing", url)
+            if previous is not None or url not in self._warned:
+                logger.warning("%s publishes no KV events (start it with --kv-events): it counts as holding "
+                               "nothing", url)
+                self._warned.add(url)
             return
         try:
             key = hasher_key(events_info)
@@ -261,14 +296,14 @@ class KVRouter:
                                      connectable(replay, url) if replay else None,
                                      events_info.get("topic", "kv-events"), self.secret)
         subscriber.start()
-        self.subscribers.append(subscriber)
+        self.subscribers[url] = (events_info, subscriber)
 
     def prompt_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> "PromptBlocks":
         """The prompt's block hashes under every way the instances hash (one per model
         fingerprint, block size and hash algorithm), salted as the instances salt them. CPU work:
         callers run it off the event loop."""
-        return PromptBlocks(len(token_ids), {key: hasher.prompt_hashes(token_ids, cache_salt)
-                                             for key, hasher in self.hashers.items()})
+        return PromptBlocks(len(token_ids), {key: hasher.prompt_hashes(token_ids, cache_salt)  # watch() may add
+                                             for key, hasher in list(self.hashers.items())})
 
     def choose(self, candidates: list, prompt: "PromptBlocks | None"):
         """(the upstream with the lowest cost, predicted cached tokens there). ``candidates``
@@ -305,5 +340,5 @@ class KVRouter:
                  if i.prompt_tokens else None} for i in self.indexes.values()]
 
     def stop(self) -> None:
-        for subscriber in self.subscribers:
+        for _, subscriber in self.subscribers.values():
             subscriber.stop()

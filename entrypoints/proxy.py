@@ -58,6 +58,7 @@ from entrypoints.protocol import (
 )
 
 logger = logging.getLogger("engine.proxy")
+STATUS_POLL_S = 3.0  # how often kv-aware routing re-reads each instance's /status
 
 
 @dataclass
@@ -159,21 +160,20 @@ class Proxy:
         return None
 
     async def watch_instances(self) -> None:
-        """Follow the KV events of every decode instance (or replica) that publishes them;
-        instances not up yet are asked again every few seconds."""
-        pending = {u.url for u in self.decodes}
-        while pending:
-            for url in sorted(pending):
+        """Follow the KV events of every decode instance (or replica) that publishes them, as
+        its /status says, asked every few seconds for the proxy's life: an instance not up yet
+        is followed once it is, one restarted on new event ports (--kv-events) at its new ones."""
+        while True:
+            for url in sorted(u.url for u in self.decodes):
                 try:
                     resp = await self.http.get(f"{url}/status", timeout=5)
-                    info = resp.json().get("kv_events") if resp.status_code == 200 else None
-                    self.router.watch(url, info)
+                    if resp.status_code != 200:
+                        continue
+                    self.router.watch(url, resp.json().get("kv_events"))
                 except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                    logger.warning("cannot follow the KV events of %s yet: %s", url, exc)
-                    continue
-                pending.discard(url)
-            if pending:
-                await asyncio.sleep(2)
+                    if url not in self.router.indexes:
+                        logger.warning("cannot follow the KV events of %s yet: %s", url, exc)
+            await asyncio.sleep(STATUS_POLL_S)
 
     @staticmethod
     def _headers(raw: Request, request_id: str) -> dict:

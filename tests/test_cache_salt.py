@@ -85,12 +85,11 @@ def test_a_kv_tier_keeps_salts_apart(tiny_llama):
 
 def test_the_router_hashes_a_prompt_as_its_salt_does():
     router = KVRouter()
-    hasher = BlockHasher(16, b"r" * 32)
-    router.hashers["http://d"] = hasher
+    key = ("engine", 16, (b"r" * 32).hex())
+    router.hashers[key] = BlockHasher(16, b"r" * 32)
     tokens = _prompt(3, 64)
-    key = (16, hasher.root_hash)
-    assert router.prompt_blocks(tokens, "tenant-a").by_root[key] == _hashes(tokens, "tenant-a")
-    assert router.prompt_blocks(tokens).by_root[key] == _hashes(tokens, None)
+    assert router.prompt_blocks(tokens, "tenant-a").by_hasher[key] == _hashes(tokens, "tenant-a")
+    assert router.prompt_blocks(tokens).by_hasher[key] == _hashes(tokens, None)
 
 
 @pytest.fixture(scope="module")

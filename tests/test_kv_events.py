@@ -97,7 +97,7 @@ def test_block_pool_names_blocks_by_event_hashes_when_given():
     pool.cache_full_blocks(blocks, hashes, 2, 3, tokens, 16, names, "tenant")
     assert pool.kv_events == [BlockStored([101, 102], None, tokens[:32], 16, None, "GPU", None,
                                           [("tenant",), None], 0),
-                              BlockStored([103], 102, tokens[32:], 16, None, "GPU", None, None, 0)]
+                              BlockStored([103], 102, tokens[32:], 16, None, "GPU", None, [None], 0)]
     pool.kv_events.clear()
     pool.free_blocks(reversed(blocks))
     pool.get_new_blocks(4)
@@ -231,7 +231,7 @@ class _KVEventBatch020(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     data_parallel_rank: Optional[int] = None
 
 
-def test_kv_events_with_vllm_hashes_match_what_a_router_computes(tiny_llama):
+def test_kv_events_with_vllm_hashes_match_what_a_router_computes(tiny_llama, monkeypatch):
     """--kv-events (ports the instance chooses, shown in /status) with --prefix-caching-hash-algo
     sha256_cbor: every block the events announce is one a router computes from the prompt with
     vLLM's algorithm and the shared PYTHONHASHSEED, salted requests included; and engine proxy's
@@ -242,12 +242,14 @@ def test_kv_events_with_vllm_hashes_match_what_a_router_computes(tiny_llama):
     server = ServerProcess(str(tiny_llama), "--num-blocks", "32", "--max-model-len", "256", "--kv-events",
                            "--prefix-caching-hash-algo", "sha256_cbor", env={"PYTHONHASHSEED": "0"})
     info = server.status()["kv_events"]
-    assert info["hash_algo"] == "sha256_cbor" and info["block_size"] == 16
+    # vLLM's root is H(PYTHONHASHSEED): never shown (the seed would be found from it).
+    assert info["hash_algo"] == "sha256_cbor" and info["block_size"] == 16 and info["root_block_hash"] is None
     pub, replay = (int(info[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint"))
     sub = _Subscriber(pub, replay)
     sub.decoder = msgspec.msgpack.Decoder(_KVEventBatch020)
     router = KVRouter()
     try:
+        monkeypatch.setenv("PYTHONHASHSEED", "0")  # the router shares the instances' seed
         router.watch(server.url, info)
         assert sub.replayed(0)  # connected: the start-up batch
         prompts = {None: list(range(300, 350)), "tenant-a": list(range(300, 350))}  # 3 full blocks each
@@ -258,7 +260,7 @@ def test_kv_events_with_vllm_hashes_match_what_a_router_computes(tiny_llama):
         announced = [h for e in stored for h in e.block_hashes]
         expected = [h for salt, p in prompts.items() for h in _reference("sha256_cbor", "0", p, 16, salt)]
         assert announced == expected
-        assert [e.extra_keys for e in stored] == [None, [("tenant-a",), None, None]]
+        assert [e.extra_keys for e in stored] == [[None, None, None], [("tenant-a",), None, None]]
         assert all(e.medium == "GPU" and e.group_idx == 0 for e in stored)
         deadline = time.monotonic() + 10
         while len(router.indexes[server.url].hashes) < 6 and time.monotonic() < deadline:
@@ -299,7 +301,7 @@ def test_off_loopback_events_need_the_secret_and_strangers_read_nothing(tiny_lla
 
 def test_kv_events_flags():
     """--kv-events: ports chosen at bind on the API's host; with --kv-events-config, or
-    --prefix-caching-hash-algo without events, a refusal naming the flags."""
+    --prefix-caching-hash-algo without events on, a refusal naming the flags."""
     import argparse
 
     from entrypoints.cli import kv_events_config
@@ -312,8 +314,10 @@ def test_kv_events_flags():
     assert kv_events_config(args(kv_events_config="{}")) == "{}"
     with pytest.raises(ValueError, match="give one"):
         kv_events_config(args(kv_events=True, kv_events_config="{}"))
-    with pytest.raises(ValueError, match="needs --kv-events"):
-        kv_events_config(args(prefix_caching_hash_algo="sha256"))
+    with pytest.raises(ValueError, match="needs them on"):
+        EngineConfig(prefix_caching_hash_algo="sha256")
+    with pytest.raises(ValueError, match="needs them on"):
+        EngineConfig(prefix_caching_hash_algo="sha256", kv_events_config='{"enable_kv_cache_events": false}')
     with pytest.raises(ValueError, match="sha256_cbor"):
         EngineConfig(prefix_caching_hash_algo="md5")
 

@@ -87,14 +87,32 @@ def test_index_catches_up_from_the_replay_and_fills_gaps():
     assert index.hashes == set()
 
 
+def test_events_over_ipv6_with_ports_chosen_at_bind():
+    """--kv-events on an IPv6 --host: the sockets bind (port 0: chosen then, and reported) and a
+    router follows them."""
+    publisher = KVEventPublisher(KVEventsConfig(True, endpoint="tcp://[::1]:0", replay_endpoint="tcp://[::1]:0"))
+    try:
+        assert publisher.endpoint.startswith("tcp://[::1]:") and not publisher.endpoint.endswith(":0")
+        index = InstanceIndex("x")
+        subscriber = EventSubscriber(index, publisher.endpoint, publisher.replay_endpoint, "kv-events")
+        subscriber.start()
+        wait_for(lambda: index.last_seq == 0, timeout=10, state=lambda: index)
+        publisher.publish([_stored(b"a")])
+        wait_for(lambda: index.hashes == {b"a"}, timeout=10, state=lambda: index)
+        subscriber.stop()
+        subscriber.join(5)
+    finally:
+        publisher.shutdown()
+
+
 @pytest.fixture(scope="module")
 def replicas(tiny_llama):
     servers = []
-    for _ in range(2):
-        events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
-                  "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
-        servers.append(ServerProcess(str(tiny_llama), *ENGINE_ARGS, "--kv-events-config", json.dumps(events),
-                                     wait=False))
+    # One with the ports it chooses (--kv-events), one with vLLM's config and fixed ports.
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
+              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    for flags in (("--kv-events",), ("--kv-events-config", json.dumps(events))):
+        servers.append(ServerProcess(str(tiny_llama), *ENGINE_ARGS, *flags, wait=False))
     for server in servers:
         server.wait_ready()
     yield servers
@@ -173,6 +191,10 @@ def test_a_restarted_instance_starts_with_an_empty_index(replicas, proxy):
     replicas[replicas.index(home)] = restarted
     wait_for(lambda: _routing(proxy)[home.url]["index_blocks"] == 0, timeout=20, state=lambda: _routing(proxy))
     assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60).status_code == 200
+    # And its events are followed again, wherever they are now (with --kv-events: new ports).
+    again = {"prompt": list(range(700, 800)), **GREEDY}
+    assert httpx.post(f"{restarted.url}/v1/completions", json=again, timeout=60).status_code == 200
+    wait_for(lambda: _routing(proxy)[home.url]["index_blocks"] >= 6, timeout=20, state=lambda: _routing(proxy))
 
 
 def test_a_dead_instance_is_skipped_before_anything_was_sent(replicas, proxy):
