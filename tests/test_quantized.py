@@ -23,7 +23,7 @@ from engine.worker import native
 from engine.worker.gguf_convert import _kept_quantized
 from engine.worker.quantized import (BLOCK_BYTES, Q4_0, Q4_1, Q8_0, QK, TYPE_NAMES, QuantEmbedding, QuantLinear,
                                      dequantize, from_kernel_rows, quantize, to_kernel_rows)
-from tests.conftest import HFReference, assert_engine_idle, make_tiny_model
+from tests.conftest import HFReference, assert_engine_idle, make_tiny_model, round_inputs_to_q8_0, rounded_to_q8_0
 
 TYPES = (Q4_0, Q4_1, Q8_0)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,6 +36,12 @@ def _random_blocks(rng: np.random.Generator, rows: int, groups: int, qtype: int)
     scales = 2. ** rng.uniform(-14, 2, size=(rows, groups, 2)) * rng.choice([-1, 1], size=(rows, groups, 2))
     b[..., :4 if qtype == Q4_1 else 2] = scales.astype(np.float16).view(np.uint8)[..., :4 if qtype == Q4_1 else 2]
     return torch.from_numpy(b.reshape(rows, -1))
+
+
+def _block_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """The fp16 scale d of every block of GGUF-layout rows, as float64 [rows, groups]."""
+    rows = blocks.shape[0]
+    return blocks.view(rows, -1, BLOCK_BYTES[Q8_0])[..., :2].contiguous().view(torch.float16).double()[..., 0]
 
 
 # ---- the reference against gguf-py (llama.cpp's own rounding) -------------------------------
@@ -87,9 +93,15 @@ def test_native_kernels_equal_the_reference(isa, qtype, dtype, m, n, groups, pad
     out = torch.full((m, n), float("nan"), dtype=dtype)
     packed = to_kernel_rows(blocks, qtype)
     ops.quant_linear(out, x, packed, qtype)
-    exact = x.double() @ reference.double().T
-    # Only the order of float32 additions differs, then one rounding to the output dtype.
-    bound = (x.double().abs() @ reference.double().abs().T) * 4e-6 + exact.abs() * torch.finfo(dtype).eps
+    # Q8_0 weights meet activations rounded to Q8_0 (integer dot products, as llama.cpp's).
+    xr = rounded_to_q8_0(x) if qtype == Q8_0 else x.double()
+    exact = xr @ reference.double().T
+    # Only the order of float32 additions differs, then one rounding to the output dtype; for Q8_0
+    # also the rounding of d_w * d_x and, on VNNI, of an offset of 128 * |x| * |d_w| per block.
+    magnitude = xr.abs() @ reference.double().abs().T
+    if qtype == Q8_0:
+        magnitude += 128 * xr.abs() @ _block_scales(blocks).abs().repeat_interleave(QK, dim=1).T
+    bound = magnitude * 4e-6 + exact.abs() * torch.finfo(dtype).eps
     assert ((out.double() - exact).abs() <= bound + 1e-30).all()
     # Batch invariance: each row alone gives its bits in the batch (a prefix hit's suffix, a
     # decode step and a prefill must project a token identically).
@@ -97,6 +109,22 @@ def test_native_kernels_equal_the_reference(isa, qtype, dtype, m, n, groups, pad
         alone = torch.empty(1, n, dtype=dtype)
         ops.quant_linear(alone, x[i:i + 1], packed, qtype)
         assert torch.equal(alone[0], out[i])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_q8_0_layer_keeps_a_nan_or_infinite_input_not_finite(isa):
+    """Rounding to Q8_0 must not turn a NaN (or an infinity) into a number: its row's outputs
+    stay non-finite, as a float product's would, and the other rows are untouched."""
+    ops = native.load(isa)
+    packed = to_kernel_rows(_random_blocks(np.random.default_rng(0), 8, 3, Q8_0), Q8_0)
+    x = torch.randn(3, 3 * QK, generator=torch.Generator().manual_seed(0))
+    x[1, QK + 8], x[2, 5] = float("nan"), float("inf")
+    out = torch.empty(3, 8)
+    ops.quant_linear(out, x, packed, Q8_0)
+    assert out[0].isfinite().all() and not out[1:].isfinite().any()
+    alone = torch.empty(1, 8)
+    ops.quant_linear(alone, x[:1], packed, Q8_0)
+    assert torch.equal(alone[0], out[0])
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
@@ -188,8 +216,9 @@ def test_the_default_gguf_runs_as_stored(default_fp32):
 
 
 def test_the_default_gguf_matches_transformers_reading_it(default_fp32, smollm2_dir):
-    """Greedy tokens equal transformers' on the dequantized .gguf (float32), and every top-5
-    log-probability is within 2e-4 of its, teacher-forced (measured: under 5e-5)."""
+    """Greedy tokens equal transformers' on the dequantized .gguf (float32, its Q8_0 output
+    layer's input rounded to Q8_0 as the kernel does), and top-5 log-probabilities are within 2e-4
+    of its, teacher-forced (measured: under 5e-5), but where a rounding half falls between the two."""
     hf = HFReference(smollm2_dir)
     candidates = [default_fp32.get_tokenizer().encode(p) for p in
                   ("The capital of France is", "def fibonacci(n):", "The three primary colors are",
@@ -199,8 +228,8 @@ def test_the_default_gguf_matches_transformers_reading_it(default_fp32, smollm2_
                                     SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5),
                                     use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    for prompt, tokens, output in zip(prompts, expected, outputs):
-        assert hf.top_logprob_error(prompt, tokens, output.outputs[0].logprobs) <= 2e-4
+    # Its output layer is Q8_0: the kernel rounds its input, as the reference does.
+    hf.assert_q8_0_logprobs_close([(p, t, o.outputs[0].logprobs) for p, t, o in zip(prompts, expected, outputs)], 2e-4)
     assert_engine_idle(default_fp32)
 
 
@@ -253,11 +282,14 @@ def _reference_of_quantized(model_dir, out_dir, qtype):
                                           ("int8", "tiny_qwen2_untied")])
 def test_quantization_at_load_computes_the_quantized_checkpoint(method, model, tmp_path, request):
     """Greedy tokens and top-5 log-probabilities equal transformers' on the checkpoint whose weights
-    the reference quantized and dequantized (within 1e-4), and differ measurably from the
-    unquantized checkpoint's (so the comparison can tell the two apart)."""
+    the reference quantized and dequantized (within 1e-4; for int8 with every linear's input
+    rounded to Q8_0, as the kernel does), and differ measurably from the unquantized
+    checkpoint's (so the comparison can tell the two apart)."""
     qtype = {"int8": Q8_0, "int4": Q4_1}[method]
     tiny = request.getfixturevalue(model)
     hf = HFReference(_reference_of_quantized(tiny, tmp_path / "reference", qtype))
+    if qtype == Q8_0:  # the native kernel's input rounding (llama.cpp's) for Q8_0 weights
+        round_inputs_to_q8_0(hf.model, [n for n, m in hf.model.named_modules() if isinstance(m, torch.nn.Linear)])
     unquantized = HFReference(tiny)
     rng = np.random.default_rng(1)
     candidates = [rng.integers(3, 49152, size=n).tolist() for n in (5, 16, 37, 64, 11, 130)]
@@ -269,8 +301,11 @@ def test_quantization_at_load_computes_the_quantized_checkpoint(method, model, t
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    for prompt, tokens, output in zip(prompts, expected, outputs):
-        assert hf.top_logprob_error(prompt, tokens, output.outputs[0].logprobs) <= 1e-4
+    runs = [(p, t, o.outputs[0].logprobs) for p, t, o in zip(prompts, expected, outputs)]
+    if qtype == Q8_0:
+        hf.assert_q8_0_logprobs_close(runs, 1e-4)
+    else:
+        assert max(hf.top_logprob_error(*run) for run in runs) <= 1e-4
     assert max(unquantized.top_logprob_error(p, t, o.outputs[0].logprobs)
                for p, t, o in zip(prompts, expected, outputs)) > 1e-3
     plain_llm = LLM(str(tiny), num_blocks=16, dtype="float32")
@@ -303,7 +338,8 @@ def test_without_native_kernels_the_weights_are_dequantized_once_and_say_why(tin
 
 def test_the_fingerprint_names_the_kernels_way(monkeypatch):
     """bf16 dot products only for Q4 blocks under bf16 activations on the AVX-512 build of a CPU
-    with AVX512-BF16; float32 FMAs otherwise; nothing for a model without quantized weights."""
+    with AVX512-BF16; float32 FMAs otherwise; Q8_0 blocks by VNNI on the AVX-512 build of a CPU
+    with AVX512-VNNI, by vpmaddubsw otherwise; nothing for a model without quantized weights."""
     from engine.worker import native
     from engine.worker.quantized import kernel_numerics
     cpu = torch.device("cpu")
@@ -312,11 +348,16 @@ def test_the_fingerprint_names_the_kernels_way(monkeypatch):
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk3-avx512-bf16dot"
     assert kernel_numerics(None, "int4", torch.bfloat16, cpu) == ":qk3-avx512-bf16dot"
-    assert kernel_numerics(None, "int8", torch.bfloat16, cpu) == ":qk3-avx512-f32"
+    assert kernel_numerics(None, "int8", torch.bfloat16, cpu) == ":qk3-avx512-i8madd"  # no VNNI
+    assert kernel_numerics({"w": Q4_1, "lm_head": Q8_0}, None, torch.bfloat16, cpu) == ":qk3-avx512-bf16dot-i8madd"
     assert kernel_numerics({"w": Q4_0}, None, torch.float32, cpu) == ":qk3-avx512-f32"
     assert kernel_numerics({}, None, torch.bfloat16, cpu) == kernel_numerics(None, None, torch.bfloat16, cpu) == ""
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
     assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ":qk3-avx512-f32"
+    assert kernel_numerics({"w": Q4_1, "lm_head": Q8_0}, None, torch.float32, cpu) == ":qk3-avx512-f32-i8vnni"
+    monkeypatch.setattr(native, "_select", lambda: ("avx2", ""))
+    assert kernel_numerics(None, "int8", torch.bfloat16, cpu) == ":qk3-avx2-i8madd"  # VNNI is the AVX-512 build's
+    monkeypatch.setattr(native, "_select", lambda: ("avx512", ""))
     monkeypatch.setattr(native, "load", lambda isa: types.SimpleNamespace())  # a build older than the kernel
     assert kernel_numerics({"w": Q4_1}, None, torch.bfloat16, cpu) == ""
     monkeypatch.setattr(native, "_select", lambda: (None, "ENGINE_NATIVE=0"))  # dense, as a float model

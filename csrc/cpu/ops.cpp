@@ -19,6 +19,7 @@
 #include "attention.h"
 #include "elementwise.h"
 #include "quant_linear.h"
+#include "q8_dot.h"
 
 #ifndef ENGINE_EXT_NAME
 #error "define ENGINE_EXT_NAME (the module name) and ENGINE_OPS_NS (the op namespace)"
@@ -340,7 +341,38 @@ void with_row_count(int rows, F&& f) {
   }
 }
 
-// out [M, N] = input [M, K] @ dequantize(weight)^T, in input's dtype, accumulated in float.
+// Q4_0 and Q4_1 rows: the bf16 way where it applies, else the float32 way (quant_linear.h).
+// for_tiles(narrow, dot) runs dot over every tile of out (see quant_linear).
+template <int Type, typename T, typename Tiles, typename Narrow>
+void quant_linear_q4(Tiles&& for_tiles, Narrow&& narrow, const T* in, int64_t stride, int64_t m, int64_t k,
+                     const uint8_t* w) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (cpu_has_avx512_bf16()) {  // x as it is
+      const int64_t groups = k / kQK;
+      std::vector<float> sums(Type == kQ4_1 ? m * groups : 0);
+      std::vector<bf16_t> paired(m * k);
+      for (int64_t r = 0; r < m; ++r) {
+        pair_activations(paired.data() + r * k, in + r * stride, k);
+        if constexpr (Type == kQ4_1) block_sums(sums.data() + r * groups, in + r * stride, groups);
+      }
+      for_tiles(narrow, [&](auto rc, float* t, int64_t ts, int64_t base, int64_t row, int64_t w0, int64_t w1) {
+        quant_dot_rows_bf16<Type, decltype(rc)::value>(t, ts, base, paired.data() + row * k, k,
+                                                       sums.data() + (sums.empty() ? 0 : row * groups), k, w, w0, w1);
+      });
+      return;
+    }
+  }
+#endif
+  std::vector<float> x(m * k);
+  for (int64_t r = 0; r < m; ++r) widen_row(x.data() + r * k, in + r * stride, k);
+  for_tiles(narrow, [&](auto rc, float* t, int64_t ts, int64_t base, int64_t row, int64_t w0, int64_t w1) {
+    quant_dot_rows<Type, decltype(rc)::value>(t, ts, base, x.data() + row * k, k, w, w0, w1);
+  });
+}
+
+// out [M, N] = input [M, K] @ dequantize(weight)^T, in input's dtype, accumulated in float (for Q8_0
+// weights, with the input rounded to Q8_0 first: q8_dot.h).
 void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t type) {
   const auto dtype = input.scalar_type();
   check_cpu(input, "input", dtype);
@@ -379,30 +411,23 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
     };
     with_quant_type(type, [&](auto qt) {
       constexpr int Type = decltype(qt)::value;
+      if constexpr (Type == kQ8_0) {  // integer dot products on activations rounded to Q8_0 (q8_dot.h)
+        Q8Activations xq(m, k);
+        for (int64_t r = 0; r < m; ++r) quantize_activations_q8(xq, r, in + r * input.stride(0));
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, bf16_t> && Type != kQ8_0) {
-        if (cpu_has_avx512_bf16()) {  // the bf16 way (quant_linear.h): x as it is
-          const int64_t groups = k / kQK, stride = input.stride(0);
-          std::vector<float> sums(Type == kQ4_1 ? m * groups : 0);
-          std::vector<bf16_t> paired(m * k);
-          for (int64_t r = 0; r < m; ++r) {
-            pair_activations(paired.data() + r * k, in + r * stride, k);
-            if constexpr (Type == kQ4_1) block_sums(sums.data() + r * groups, in + r * stride, groups);
-          }
+        if (cpu_has_avx512_vnni()) {
           for_tiles(narrow, [&](auto rc, float* t, int64_t ts, int64_t base, int64_t row, int64_t w0, int64_t w1) {
-            quant_dot_rows_bf16<Type, decltype(rc)::value>(t, ts, base, paired.data() + row * k, k,
-                                                           sums.data() + (sums.empty() ? 0 : row * groups), k, w,
-                                                           w0, w1);
+            q8_dot_rows_vnni<decltype(rc)::value>(t, ts, base, xq, row, w, w0, w1);
           });
           return;
         }
-      }
 #endif
-      std::vector<float> x(m * k);
-      for (int64_t r = 0; r < m; ++r) widen_row(x.data() + r * k, in + r * input.stride(0), k);
-      for_tiles(narrow, [&](auto rc, float* t, int64_t ts, int64_t base, int64_t row, int64_t w0, int64_t w1) {
-        quant_dot_rows<Type, decltype(rc)::value>(t, ts, base, x.data() + row * k, k, w, w0, w1);
-      });
+        for_tiles(narrow, [&](auto rc, float* t, int64_t ts, int64_t base, int64_t row, int64_t w0, int64_t w1) {
+          q8_dot_rows_maddubs<decltype(rc)::value>(t, ts, base, xq, row, w, w0, w1);
+        });
+      } else {
+        quant_linear_q4<Type>(for_tiles, narrow, in, input.stride(0), m, k, w);
+      }
     });
   });
 }

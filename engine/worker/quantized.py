@@ -6,7 +6,9 @@ A weight [N, K] is kept as uint8 [N, K / 32 * block_bytes]. It is loaded with ea
 K / 32 blocks in GGUF's own layout (a .gguf tensor as stored; a fused projection, q/k/v or
 gate/up, its parts' rows one after the other), then packed once, in place, into the kernel's
 row layout: the same bytes, a row's integers first and its scales after (``to_kernel_rows``).
-Activations stay in the model's dtype; the KV cache too.
+Activations stay in the model's dtype, and the KV cache too; a Q8_0 layer rounds its input to
+Q8_0 blocks inside the kernel (as llama.cpp does: integer dot products, csrc/cpu/q8_dot.h), which
+the dense fallback below does not (its fingerprint differs, so peers and stores keep them apart).
 
 Where the native kernels cannot run (no AVX2, ENGINE_NATIVE=0, a CUDA device) the weights are
 dequantized once at load into ordinary linears (the torch path), and the log says why.
@@ -216,8 +218,9 @@ def widen_modules(model: nn.Module, dtype: torch.dtype) -> None:
 def kernel_numerics(stored: dict[str, int] | None, method: str | None, dtype: torch.dtype,
                     device: torch.device) -> str:
     """The fingerprint's word on how this instance multiplies quantized weights: the kernel's
-    version and way (csrc/cpu/quant_linear.h: bf16 dot products, or float32 on an ISA's
-    vectors); "" without quantized weights or where they are dequantized at load (dense, as any
+    version and ways (csrc/cpu/quant_linear.h for Q4 blocks: bf16 dot products, or float32 on an
+    ISA's vectors; csrc/cpu/q8_dot.h for Q8_0: integer dot products by AVX512-VNNI or by AVX2's
+    vpmaddubsw, whose float sums differ in order); "" without quantized weights or where they are dequantized at load (dense, as any
     float model: no kernel version to follow). KV computed one way is never handed to, or read
     back by, an instance computing another."""
     from engine.worker import native
@@ -227,9 +230,13 @@ def kernel_numerics(stored: dict[str, int] | None, method: str | None, dtype: to
     isa = native._select()[0] if device.type == "cpu" else None
     if isa is None or not hasattr(native.load(isa), "quant_linear"):  # dense (model_runner._quantize)
         return ""
-    bf16_dot = (isa == "avx512" and dtype == torch.bfloat16 and bool(types & {Q4_0, Q4_1})
-                and "avx512_bf16" in native.cpu_flags())
-    return f":qk{KERNEL_VERSION}-{isa}-{'bf16dot' if bf16_dot else 'f32'}"
+    ways = []
+    if types & {Q4_0, Q4_1}:
+        bf16_dot = isa == "avx512" and dtype == torch.bfloat16 and "avx512_bf16" in native.cpu_flags()
+        ways.append("bf16dot" if bf16_dot else "f32")
+    if Q8_0 in types:  # integer dot products, activations rounded to Q8_0 (csrc/cpu/q8_dot.h)
+        ways.append("i8vnni" if isa == "avx512" and "avx512_vnni" in native.cpu_flags() else "i8madd")
+    return f":qk{KERNEL_VERSION}-{isa}-{'-'.join(ways)}"
 
 
 def quantized_targets(model: nn.Module, stored: dict[str, int] | None, method: str | None) -> dict[str, int]:
