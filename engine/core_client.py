@@ -63,19 +63,23 @@ class RequestDelta(msgspec.Struct):
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None
+    # Per prompt token (None for the first) its entry, sampled-first order (once per stream).
+    prompt_logprobs: list[list[LogprobEntry] | None] | None = None
 
     @classmethod
     def of(cls, out: RequestOutput) -> RequestDelta:
+        def entries(entry: dict) -> list[LogprobEntry]:
+            return [(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in entry.items()]
+
         choices = []
         for c in out.outputs:
-            logprobs = None
-            if c.logprobs is not None:
-                logprobs = [[(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in entry.items()]
-                            for entry in c.logprobs]
+            logprobs = None if c.logprobs is None else [entries(entry) for entry in c.logprobs]
             choices.append(ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs,
                                        c.text_offset, c.token_ids_shown))
+        prompt_logprobs = (None if out.prompt_logprobs is None else
+                           [None if entry is None else entries(entry) for entry in out.prompt_logprobs])
         return cls(out.request_id, choices, out.finished, out.num_cached_tokens, out.kv_transfer_params,
-                   out.error, out.queue_time)
+                   out.error, out.queue_time, prompt_logprobs)
 
 
 class EngineRequestError(Exception):

@@ -226,6 +226,10 @@ class EngineCore:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         check_cache_salt(cache_salt)
+        if params.prompt_logprobs is not None and kv_transfer_params is not None and kv_transfer_params.acts_on_remote_kv:
+            raise InvalidRequestError("prompt_logprobs needs every prompt position's logits, computed here: not with "
+                                      "KV or first tokens from another instance (send the request without "
+                                      "kv_transfer_params)", "prompt_logprobs")
         seq_ids = [sequence_id(request_id, i, params.n) for i in range(params.n)]
         if any(self.scheduler.is_id_in_use(s) or s in self._request_of for s in seq_ids):
             # A finished request whose blocks a KV transfer still reads: reusing its id now

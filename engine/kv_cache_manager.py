@@ -47,8 +47,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks. Stops one token short of the whole request:
-        the last token is always recomputed because its logits are needed."""
-        if not self.enable_caching:
+        the last token is always recomputed because its logits are needed. None for a request
+        that wants its prompt's logprobs: every prompt position's logits are needed."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -75,6 +75,10 @@ class _Request:
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None
+    # SamplingParams.prompt_logprobs, decoded, from the first sequence that brings them (each
+    # of the n computes the same prompt); a stream sends them once.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -176,11 +180,13 @@ class OutputProcessor:
             request.error = out.error
         if request.queue_time is None:
             request.queue_time = out.queue_time
+        if out.prompt_logprobs is not None and request.prompt_logprobs is None:
+            request.prompt_logprobs = [None if e is None else self._decoded(e) for e in out.prompt_logprobs]
         seq.token_ids.extend(out.new_token_ids)
         seq.new_token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and seq.logprobs is not None:
             for entries in out.new_logprobs:
-                decoded = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
+                decoded = self._decoded(entries)
                 seq.logprobs.append(decoded)
                 seq.new_logprobs.append(decoded)
                 seq.cumulative_logprob += entries[0][1]
@@ -203,6 +209,9 @@ class OutputProcessor:
         if out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         return False
+
+    def _decoded(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
 
     def _settle_hand_off(self, request: _Request) -> None:
         """A prefill instance's request whose first tokens all ended their sequences here (stop
@@ -240,8 +249,10 @@ class OutputProcessor:
             seq.new_token_ids.clear()
             seq.new_logprobs.clear()
         kv = request.kv_transfer_params if finished else None
+        prompt_logprobs = None if delta and request.prompt_logprobs_sent else request.prompt_logprobs
+        request.prompt_logprobs_sent = request.prompt_logprobs_sent or prompt_logprobs is not None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                             request.num_cached_tokens, kv, request.error, request.queue_time)
+                             request.num_cached_tokens, kv, request.error, request.queue_time, prompt_logprobs)
 
 
 def _sampled_chars(logprobs: list[dict[int, Logprob]]) -> int:

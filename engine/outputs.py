@@ -82,6 +82,9 @@ class ModelRunnerOutput:
     # the middle of a chunked prefill are absent.
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Requests that asked for prompt_logprobs and computed prompt positions this step: (the
+    # index of the first prompt token these entries are for, one entry per token).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
 
 
@@ -98,6 +101,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     error: str | None = None
     queue_time: float | None = None
     from_prefill: bool = False  # a first token a prefill instance sampled (engine/kv_transfer/first_token.py)
+    # With the first sampled token, where asked: per prompt token (None for the first) its entries.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -139,3 +144,6 @@ class RequestOutput:
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     queue_time: float | None = None
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and the
+    # top k at its position; in a stream, only in the first output that has them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

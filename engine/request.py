@@ -96,6 +96,12 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
 
+        # prompt_logprobs: per prompt token its entries (None for the first: nothing predicts it),
+        # filled by position as the prompt is computed (again, identically, after a preemption)
+        # and sent once, with the first sampled token (take_prompt_logprobs).
+        self.prompt_logprobs: list | None = (
+            [None] * self.num_prompt_tokens if sampling_params.prompt_logprobs is not None else None)
+
         self.block_hashes: list[bytes] = []
         # What the KV events name its full blocks by, when that is not block_hashes (vLLM's
         # hashes: engine/vllm_block_hash.py), and the last of them whole (the next one's parent).
@@ -112,6 +118,15 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def record_prompt_logprobs(self, first_token: int, entries: list) -> None:
+        """Entries for prompt tokens first_token, first_token + 1, ..."""
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs[first_token:first_token + len(entries)] = entries
+
+    def take_prompt_logprobs(self) -> list | None:
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

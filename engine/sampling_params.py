@@ -70,6 +70,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
     logprobs: int | None = None  # None: off; 0: only the sampled token's logprob
+    # None: off; k: each prompt token's logprob (after the first) and the top k at its position,
+    # from the raw logits. The prompt is then computed here whole (no prefix or tier hit).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # The output follows a JSON schema, regex, choice or grammar (engine/structured_output.py).
@@ -124,10 +127,11 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
 
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _check_int(name, getattr(self, name), 0))
+                if getattr(self, name) > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {getattr(self, name)}")
 
         if isinstance(self.structured_outputs, dict):
             try:

@@ -214,7 +214,9 @@ class Scheduler:
         else:
             computed_blocks, num_local = self.kv.get_computed_blocks(request)
             try:
-                match = self.connector.get_num_new_matched_tokens(request, num_local)
+                # prompt_logprobs: every prompt position computed here, none loaded from a tier
+                match = ((0, False) if request.sampling_params.prompt_logprobs is not None
+                         else self.connector.get_num_new_matched_tokens(request, num_local))
             except Exception as exc:
                 return self._fail_admission(request, exc), 0
             if match is None:
@@ -314,6 +316,8 @@ class Scheduler:
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             token = runner_output.sampled_token_ids.get(req_id)
+            if request is not None and req_id in runner_output.prompt_logprobs:
+                request.record_prompt_logprobs(*runner_output.prompt_logprobs[req_id])
             if request is None or request.status != RequestStatus.RUNNING or token is None:
                 continue  # ended during the step, or still in the middle of its prefill
             request.append_output_token_id(token)
@@ -328,7 +332,8 @@ class Scheduler:
                 req_id, [token], [logprobs] if logprobs is not None else None,
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
-                kv_transfer_params=kv_transfer_params, queue_time=request.queue_time))
+                kv_transfer_params=kv_transfer_params, queue_time=request.queue_time,
+                prompt_logprobs=request.take_prompt_logprobs()))
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
         outputs += self._update_transfers(runner_output)

@@ -174,6 +174,11 @@ class OpenAIServer:
             raise APIError(400, "prompt must not be empty", "prompt")
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
+    def _prompt_texts(self, prompt, prompts: list[list[int]]) -> list[str]:
+        """What echo shows of each prompt: its text as given, or the decode of its ids."""
+        given = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(given, prompts)]
+
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: this server only renders its own "
@@ -229,7 +234,9 @@ class OpenAIServer:
         request: CompletionRequest = await self._parse(raw, CompletionRequest)
         if request.logprobs is not None and request.logprobs > 5:
             raise APIError(400, f"logprobs must be at most 5 for completions, got {request.logprobs}", "logprobs")
-        params = await self._sampling_params(request, request.max_tokens, request.logprobs)
+        # echo with max_tokens 0: the prompt alone (one token is sampled and dropped, as vLLM does)
+        params = await self._sampling_params(request, 1 if request.echo_only else request.max_tokens,
+                                             request.logprobs)
         prompts = await self._off_loop(self._completion_prompts, request.prompt)
         return await self._serve(raw, request, "cmpl", prompts, params, chat=False)
 
@@ -265,6 +272,8 @@ class OpenAIServer:
                 s.close()
             raise APIError(exc.status, str(exc), exc.param)
         response = _Response(self, request_id, request, prompts, params.n, chat, arrival, continues=shown)
+        if response.echo:
+            response.prompt_texts = await self._off_loop(self._prompt_texts, request.prompt, prompts)
         if request.stream:
             return StreamingResponse(response.stream(streams), media_type="text/event-stream",
                                      headers={"X-Request-Id": request_id})
@@ -373,6 +382,13 @@ class _Response:
         self.itls: list[float] = []
         self.queue_time = 0.0
         self.kv_transfer_params: dict[int, KVTransferParams] = {}  # by prompt index
+        # echo (completions): a choice's text (and logprobs) start with its prompt's; with
+        # max_tokens 0 they are only that (the one token sampled is dropped).
+        self.echo = not chat and bool(request.echo)
+        self.echo_only = self.echo and request.echo_only
+        self.prompt_texts: list[str] = []  # set by the server when echo
+        self.prompt_logprobs: dict[int, list] = {}  # by prompt index, as RequestDelta brings them
+        self.started: set[int] = set()  # choices whose first chunk went out (streaming)
 
     def _record(self, prompt_index: int, delta) -> None:
         now = time.monotonic()
@@ -382,7 +398,10 @@ class _Response:
             elif self.last_token_at is not None:
                 self.itls.append(now - self.last_token_at)
             self.last_token_at = now
-        self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs.setdefault(prompt_index, delta.prompt_logprobs)
+        if not self.echo_only:
+            self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
         self.cached_tokens[prompt_index] = delta.num_cached_tokens
         if delta.queue_time is not None:
             self.queue_time = max(self.queue_time, delta.queue_time)
@@ -421,6 +440,42 @@ class _Response:
             offset += len(s[3])
         return {"tokens": [s[3] for s in sampled], "token_logprobs": [s[1] for s in sampled],
                 "top_logprobs": [{t[3]: t[1] for t in top} or None for top in tops], "text_offset": offsets}
+
+    def _prompt_logprobs_field(self, prompt_index: int) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token null (the first) or {token id: {logprob,
+        rank, decoded_token}} for the token and the top k at its position."""
+        entries = self.prompt_logprobs.get(prompt_index)
+        if entries is None:
+            return None
+        return [None if e is None else {str(t[0]): {"logprob": t[1], "rank": t[2], "decoded_token": t[3]} for t in e}
+                for e in entries]
+
+    def _finish(self, reason: str | None, stop_reason):
+        """With echo and max_tokens 0 nothing was generated: the token sampled and dropped ends
+        the choice by its length, whatever stop it met."""
+        if self.echo_only and reason in ("stop", "length"):
+            return "length", None
+        return reason, stop_reason
+
+    def _echoed(self, index: int, text: str, entries, text_offset: int, first: bool) -> tuple[str, dict | None]:
+        """A completion choice's text and logprobs with echo: the prompt's before its own (in
+        its first chunk, or whole), its own offsets after the prompt tokens' strings."""
+        prompt_index = index // self.n
+        own_text, own = ("", []) if self.echo_only else (text, entries)
+        if self.request.logprobs is None:
+            return (self.prompt_texts[prompt_index] if first else "") + own_text, None
+        prompt_entries = self.prompt_logprobs.get(prompt_index) or []
+        first_token = self.server.tokenizer.decode(self.prompts[prompt_index][:1])
+        echoed = self._logprobs(prompt_entries[1:], len(first_token))
+        chars = len(first_token) + sum(len(t) for t in echoed["tokens"])
+        logprobs = self._logprobs(own or [], text_offset + chars)
+        if first:
+            logprobs = {"tokens": [first_token] + echoed["tokens"] + logprobs["tokens"],
+                        "token_logprobs": [None] + echoed["token_logprobs"] + logprobs["token_logprobs"],
+                        "top_logprobs": [None] + echoed["top_logprobs"] + logprobs["top_logprobs"],
+                        "text_offset": [0] + echoed["text_offset"] + logprobs["text_offset"]}
+            return self.prompt_texts[prompt_index] + own_text, logprobs
+        return own_text, logprobs
 
     async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
         """Deltas of all prompts of the request as they come, tagged with the prompt index."""
@@ -478,21 +533,29 @@ class _Response:
         choices = []
         for index in sorted(texts.keys() | finish.keys()):
             reason, stop_reason = finish.get(index, (None, None))
+            text, entries = texts.get(index, ""), logprobs.get(index)
+            reason, stop_reason = self._finish(reason, stop_reason)
             choice = {"index": index, "finish_reason": reason, "stop_reason": stop_reason,
-                      "logprobs": self._logprobs(logprobs.get(index) if index in logprobs else None, 0)}
+                      "logprobs": self._logprobs(entries, 0)}
+            if self.echo:
+                text, choice["logprobs"] = self._echoed(index, text, entries, 0, first=True)
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": texts.get(index, "")}
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = texts.get(index, "")
+                choice["text"] = text
                 if self.token_ids:
                     choice["prompt_token_ids"] = self.prompts[index // self.n]
+                if self.request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs_field(index // self.n)
             if self.token_ids:
-                choice["token_ids"] = tokens.get(index, [])
+                choice["token_ids"] = [] if self.echo_only else tokens.get(index, [])
             choices.append(choice)
         body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
         if self.token_ids and self.chat:
             body["prompt_token_ids"] = self.prompts[0]
+        if self.chat and self.request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs_field(0)
         if self.kv_transfer_params:
             # One per prompt, in prompt order (a list only when the request had several).
             params = [msgspec.to_builtins(self.kv_transfer_params.get(i)) for i in range(len(self.prompts))]
@@ -522,9 +585,11 @@ class _Response:
                 for c in delta.choices:
                     out.append(self._stream_choice(i * self.n + c.index, c))
                 if out:
-                    kv = ({"kv_transfer_params": msgspec.to_builtins(delta.kv_transfer_params)}
-                          if delta.kv_transfer_params else {})
-                    yield chunk(out, **kv)
+                    extra = ({"kv_transfer_params": msgspec.to_builtins(delta.kv_transfer_params)}
+                             if delta.kv_transfer_params else {})
+                    if self.chat and delta.prompt_logprobs is not None and self.request.prompt_logprobs is not None:
+                        extra["prompt_logprobs"] = self._prompt_logprobs_field(0)
+                    yield chunk(out, **extra)
             else:
                 if include_usage:
                     yield chunk([], usage=self.usage())
@@ -550,8 +615,17 @@ class _Response:
                 # (unless a proxy showed this choice's start, prompt ids included; chat's go with the role)
                 if not self.chat and not (self.continues and c.token_ids_shown):
                     prompt_ids = self.prompts[index // self.n]
-        return stream_choice(index, c.text, self._logprobs(c.logprobs, c.text_offset), c.finish_reason,
-                             c.stop_reason, self.chat, token_ids, prompt_ids)
+        first = index not in self.started
+        self.started.add(index)
+        text, logprobs = c.text, self._logprobs(c.logprobs, c.text_offset)
+        if self.echo:
+            text, logprobs = self._echoed(index, c.text, c.logprobs, c.text_offset, first)
+            token_ids = [] if self.echo_only and token_ids is not None else token_ids
+        choice = stream_choice(index, text, logprobs, *self._finish(c.finish_reason, c.stop_reason), self.chat,
+                               token_ids, prompt_ids)
+        if first and not self.chat and self.request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs_field(index // self.n)
+        return choice
 
 
 def build_app(server: OpenAIServer) -> FastAPI:

@@ -192,7 +192,7 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 # Fields of OpenAI's and vLLM's requests that this server does not implement, each with the
 # values that ask for nothing: any other value is a 400 naming the field, never silently dropped.
 UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "prompt_logprobs": (None,),
+    "suffix": (None, ""), "best_of": (None, 1),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1), "truncate_prompt_tokens": (None,),
     "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_embeds": (None,),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
@@ -246,6 +246,8 @@ class _SamplingFields(_RequestModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    # vLLM's: each prompt token's logprob (after the first) and the top k at its position.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -302,6 +304,9 @@ class _SamplingFields(_RequestModel):
         except ValueError as exc:
             raise BodyError(400, f"{field}: {exc}", field) from None
 
+    def prompt_logprobs_wanted(self, logprobs: int | None) -> int | None:
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field on a bad value (BodyError for structured output)."""
         structured_outputs, _ = self.structured_outputs_params()
@@ -314,7 +319,8 @@ class _SamplingFields(_RequestModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_wanted(logprobs),
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs)
 
 
@@ -322,8 +328,19 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool | None = None  # not implemented: true is refused (UNIMPLEMENTED_FIELDS)
+    # The prompt's text before each choice's (with logprobs, the prompt tokens' first: vLLM's
+    # prompt_logprobs at the same k); with max_tokens 0, only the prompt (lm-eval's loglikelihood).
+    echo: bool | None = None
     _INERT_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, True)}
+
+    @property
+    def echo_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
+
+    def prompt_logprobs_wanted(self, logprobs: int | None) -> int | None:
+        if self.prompt_logprobs is None and self.echo:
+            return logprobs
+        return self.prompt_logprobs
 
 
 class ChatMessage(_RequestModel):
@@ -340,7 +357,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    _INERT_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, False)}
+    # echo: vLLM's chat echo (prepend the last message) is not implemented: true is a 400.
+    _INERT_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, False), "echo": (None, False)}
 
     def refused_field(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:  # as OpenAI and vLLM answer

@@ -85,7 +85,7 @@ class DisaggPolicy:
 
 # (path, reason) of every decision the proxy can take; all are exported, zeros included.
 DECISIONS = (("remote", "always"), ("remote", "long_prompt"), ("local", "short_prompt"),
-             ("local", "prefill_busy"), ("local", "prefill_unreachable"))
+             ("local", "prefill_busy"), ("local", "prefill_unreachable"), ("local", "prompt_logprobs"))
 
 
 def error_response(status: int, message: str, kind: str = "upstream_error", param: str | None = None) -> JSONResponse:
@@ -247,6 +247,11 @@ class Proxy:
         headers = self._headers(raw, request_id)
         prompt = await self.prompt_of(path, body, headers)
         if not self.prefills:  # plain replicas
+            return await self._local_or_502(raw, path, body, headers, prompt)
+        if body.get("echo") or body.get("prompt_logprobs") is not None:
+            # The prompt's logprobs (or its echo) need every prompt position's logits, which only
+            # the instance that computes the whole prompt has: a decode instance prefills it itself.
+            self._decided("local", "prompt_logprobs", request_id)
             return await self._local_or_502(raw, path, body, headers, prompt)
         reason = "always"
         if self.disagg.conditional:

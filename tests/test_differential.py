@@ -100,6 +100,13 @@ def requests(draw) -> tuple[str, dict, str]:
                 body["top_logprobs"] = draw(st.integers(0, 3))
         else:
             body["logprobs"] = draw(st.integers(0, 3))
+    if not chat and draw(st.integers(0, 3)) == 0:  # the prompt before each choice (lm-eval: max_tokens 0)
+        body["echo"] = True
+        if draw(st.booleans()):
+            body["max_tokens"] = 0
+            body.pop("min_tokens", None)
+    if draw(st.integers(0, 3)) == 0:
+        body["prompt_logprobs"] = draw(st.integers(0, 3))
     if draw(st.booleans()):
         body["ignore_eos"] = draw(st.booleans())
     if draw(st.booleans()):
@@ -113,7 +120,7 @@ def requests(draw) -> tuple[str, dict, str]:
 
 
 # ---- sending and reconstructing -----------------------------------------------------------
-OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "n", "temperature", "seed", "stop", "logprobs",
+OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "n", "temperature", "seed", "stop", "logprobs", "echo",
                  "top_logprobs", "stream", "stream_options"}
 
 
@@ -168,7 +175,12 @@ def reconstruct(result, chat: bool, stream: bool) -> dict:
     def choice(index: int) -> dict:
         return choices.setdefault(index, {"text": "", "finish_reason": None, "stop_reason": None,
                                           "logprobs": [], "has_logprobs": False, "finishes": 0,
-                                          "token_ids": None, "prompt_token_ids": None})
+                                          "token_ids": None, "prompt_token_ids": None, "prompt_logprobs": None})
+
+    def add_prompt_logprobs(out: dict, entries) -> None:
+        if entries is not None:
+            assert out["prompt_logprobs"] is None, "prompt_logprobs twice for one choice"
+            out["prompt_logprobs"] = entries
 
     def add_ids(out: dict, c: dict, prompt_ids) -> None:
         if c.get("token_ids") is not None:
@@ -178,9 +190,12 @@ def reconstruct(result, chat: bool, stream: bool) -> dict:
             out["prompt_token_ids"] = prompt_ids
 
     usage = None
-    chat_prompt_ids = None
+    chat_prompt_ids = chat_prompt_logprobs = None
     if stream:
         for chunk in result:
+            if chunk.get("prompt_logprobs") is not None:
+                assert chat and chat_prompt_logprobs is None, f"prompt_logprobs twice, or on a completion chunk"
+                chat_prompt_logprobs = chunk["prompt_logprobs"]
             if chunk.get("prompt_token_ids") is not None:
                 assert chat and chat_prompt_ids is None, f"prompt_token_ids twice, or on a completion chunk: {chunk}"
                 chat_prompt_ids = chunk["prompt_token_ids"]
@@ -193,6 +208,7 @@ def reconstruct(result, chat: bool, stream: bool) -> dict:
                 assert out["finish_reason"] is None, f"a chunk after choice {c['index']} finished: {chunk}"
                 out["text"] += (c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
                 add_ids(out, c, c.get("prompt_token_ids"))
+                add_prompt_logprobs(out, c.get("prompt_logprobs"))
                 if c.get("logprobs") is not None:
                     out["has_logprobs"] = True
                     out["logprobs"] += _logprob_entries(c["logprobs"], chat)
@@ -206,26 +222,35 @@ def reconstruct(result, chat: bool, stream: bool) -> dict:
             out["text"] = c["message"]["content"] if chat else c["text"]
             out["finish_reason"], out["stop_reason"], out["finishes"] = c["finish_reason"], c.get("stop_reason"), 1
             add_ids(out, c, c.get("prompt_token_ids"))
+            add_prompt_logprobs(out, c.get("prompt_logprobs"))
             if c.get("logprobs") is not None:
                 out["has_logprobs"] = True
                 out["logprobs"] = _logprob_entries(c["logprobs"], chat)
         usage = result["usage"]
         chat_prompt_ids = result.get("prompt_token_ids")
-    if chat_prompt_ids is not None:
-        for out in choices.values():
+        chat_prompt_logprobs = result.get("prompt_logprobs")
+    for out in choices.values():
+        if chat_prompt_ids is not None:
             out["prompt_token_ids"] = chat_prompt_ids
+        if chat_prompt_logprobs is not None:
+            out["prompt_logprobs"] = chat_prompt_logprobs
     return {"choices": [choices[i] for i in sorted(choices)], "indices": sorted(choices),
             "usage": None if usage is None else {k: usage[k] for k in ("prompt_tokens", "completion_tokens",
                                                                         "total_tokens")}}
 
 
-def assert_consistent(answer: dict, what: str) -> None:
+def assert_consistent(answer: dict, what: str, echoed: list[str] | None = None) -> None:
     """One answer on its own: a choice cut by max_tokens names no stop string or token; with
-    token ids, its text is what tokenizer.decode makes of them after the prompt's text, up to
-    the stop string that ended it."""
+    echo (``echoed``: each choice's prompt text, as given or decoded) its text starts with its
+    prompt's; with token ids, its text (after that) is what tokenizer.decode makes of them
+    after the prompt's text, up to the stop string that ended it."""
     for i, c in enumerate(answer["choices"]):
         if c["finish_reason"] == "length":
             assert c["stop_reason"] is None, f"{what}, choice {i}: finish_reason length with stop_reason {c['stop_reason']!r}"
+        text = c["text"]
+        if echoed is not None:
+            assert text.startswith(echoed[i]), f"{what}, choice {i}: echo {text!r} does not start with {echoed[i]!r}"
+            text = text[len(echoed[i]):]
         if c["token_ids"] is None:
             continue
         assert c["prompt_token_ids"] is not None, f"{what}, choice {i}: token_ids without prompt_token_ids"
@@ -235,15 +260,27 @@ def assert_consistent(answer: dict, what: str) -> None:
             continue
         expected = whole[len(prompt):]
         if isinstance(c["stop_reason"], str):
-            assert expected.startswith(c["text"]) and expected[len(c["text"]):].startswith(c["stop_reason"]), (
-                f"{what}, choice {i}: text {c['text']!r} is not {expected!r} cut at {c['stop_reason']!r}")
+            assert expected.startswith(text) and expected[len(text):].startswith(c["stop_reason"]), (
+                f"{what}, choice {i}: text {text!r} is not {expected!r} cut at {c['stop_reason']!r}")
         else:
-            assert c["text"] == expected, f"{what}, choice {i}: text {c['text']!r} != decoded {expected!r}"
+            assert text == expected, f"{what}, choice {i}: text {text!r} != decoded {expected!r}"
 
 
-def assert_same(want: dict, got: dict, what: str) -> None:
-    assert_consistent(want, f"{what} (reference)")
-    assert_consistent(got, what)
+def _same_prompt_logprobs(want, got, where: str) -> None:
+    assert (got is None) == (want is None), f"{where}: prompt_logprobs {got} != {want}"
+    if want is None:
+        return
+    assert len(got) == len(want) and got[0] is None and want[0] is None, f"{where}: prompt_logprobs {got} != {want}"
+    for k, (g, w) in enumerate(zip(got[1:], want[1:]), start=1):
+        assert g.keys() == w.keys(), f"{where}, prompt token {k}: {g} != {w}"
+        for token, entry in w.items():
+            assert g[token]["decoded_token"] == entry["decoded_token"], f"{where}, prompt token {k}: {g} != {w}"
+            assert math.isclose(g[token]["logprob"], entry["logprob"], abs_tol=LOGPROB_TOL), f"{where}: {g} != {w}"
+
+
+def assert_same(want: dict, got: dict, what: str, echoed: list[str] | None = None) -> None:
+    assert_consistent(want, f"{what} (reference)", echoed)
+    assert_consistent(got, what, echoed)
     assert got["indices"] == want["indices"], f"{what}: choice indices {got['indices']} != {want['indices']}"
     for i, (w, g) in enumerate(zip(want["choices"], got["choices"])):
         where = f"{what}, choice {i}"
@@ -255,17 +292,29 @@ def assert_same(want: dict, got: dict, what: str) -> None:
         assert g["finish_reason"] == w["finish_reason"], f"{where}: finish_reason {g['finish_reason']} != {w['finish_reason']}"
         assert g["stop_reason"] == w["stop_reason"], f"{where}: stop_reason {g['stop_reason']!r} != {w['stop_reason']!r}"
         assert g["has_logprobs"] == w["has_logprobs"], f"{where}: logprobs present {g['has_logprobs']} != {w['has_logprobs']}"
+        _same_prompt_logprobs(w["prompt_logprobs"], g["prompt_logprobs"], where)
         assert len(g["logprobs"]) == len(w["logprobs"]), (
             f"{where}: {len(g['logprobs'])} logprob entries != {len(w['logprobs'])}")
         for k, (ge, we) in enumerate(zip(g["logprobs"], w["logprobs"])):
             assert ge[0] == we[0], f"{where}, token {k}: {ge[0]!r} != {we[0]!r}"
             assert ge[3] == we[3], f"{where}, token {k}: text_offset {ge[3]} != {we[3]}"
-            assert math.isclose(ge[1], we[1], abs_tol=LOGPROB_TOL), f"{where}, token {k}: logprob {ge[1]} != {we[1]}"
+            assert (ge[1] is None) == (we[1] is None), f"{where}, token {k}: logprob {ge[1]} != {we[1]}"  # echo's first
+            assert we[1] is None or math.isclose(ge[1], we[1], abs_tol=LOGPROB_TOL), (
+                f"{where}, token {k}: logprob {ge[1]} != {we[1]}")
             assert [t for t, _ in ge[2]] == [t for t, _ in we[2]], f"{where}, token {k}: top {ge[2]} != {we[2]}"
             for (_, gv), (_, wv) in zip(ge[2], we[2]):
                 assert math.isclose(gv, wv, abs_tol=LOGPROB_TOL), f"{where}, token {k}: top {ge[2]} != {we[2]}"
     if want["usage"] is not None or got["usage"] is not None:
         assert got["usage"] == want["usage"], f"{what}: usage {got['usage']} != {want['usage']}"
+
+
+def _echoed_texts(body: dict) -> list[str]:
+    """Per choice, the prompt text echo puts before it: the prompt as given, or its ids decoded."""
+    prompt = body["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    texts = [p if isinstance(p, str) else TOKENIZER.decode(p) for p in prompts]
+    n = body.get("n", 1)
+    return [texts[i // n] for i in range(len(texts) * n)]
 
 
 def _log_tail(srv: ServerProcess, lines: int = 15) -> str:
@@ -275,7 +324,7 @@ def _log_tail(srv: ServerProcess, lines: int = 15) -> str:
 # ---- the test -----------------------------------------------------------------------------
 def test_pd_equals_colocated(colocated, pd):
     cases = {"examples": 0, "stream": 0, "openai": 0, "chat": 0, "n>1": 0, "sampled": 0, "logprobs": 0, "stop": 0,
-             "token_ids": 0}
+             "token_ids": 0, "echo": 0, "prompt_logprobs": 0}
     started = time.monotonic()
 
     @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, print_blob=False,
@@ -303,7 +352,10 @@ def test_pd_equals_colocated(colocated, pd):
         cases["logprobs"] += "logprobs" in body
         cases["stop"] += "stop" in body
         cases["token_ids"] += "return_token_ids" in body
+        cases["echo"] += bool(body.get("echo"))
+        cases["prompt_logprobs"] += "prompt_logprobs" in body
         context = f"request ({client}) {path} {json.dumps(body)}"
+        echoed = _echoed_texts(body) if body.get("echo") else None
 
         # The reference: colocated, whole, over httpx.
         status, whole = _httpx_call(colocated.url, path, {**body, "stream": False, "stream_options": None}
@@ -317,7 +369,7 @@ def test_pd_equals_colocated(colocated, pd):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             assert (got["usage"] is not None) == include_usage, f"{context}\nusage chunk: {got['usage']}"
             assert_same({**want, "usage": want["usage"] if include_usage else None}, got,
-                        f"{context}\ncolocated streamed vs whole")
+                        f"{context}\ncolocated streamed vs whole", echoed)
         status, answer = call(pd.url, path, body, client)
         assert status == 200, (f"{context}\nproxy answered {status}: {answer}\ncolocated: {want}\n"
                                f"prefill log:\n{_log_tail(pd.prefill)}\ndecode log:\n{_log_tail(pd.decode)}")
@@ -327,7 +379,7 @@ def test_pd_equals_colocated(colocated, pd):
             assert (got["usage"] is not None) == include_usage, f"{context}\nproxy usage chunk: {got['usage']}"
             want = {**want, "usage": want["usage"] if include_usage else None}
         try:
-            assert_same(want, got, "P->D vs colocated")
+            assert_same(want, got, "P->D vs colocated", echoed)
         except AssertionError as exc:
             raise AssertionError(f"{context}\n{exc}\ncolocated: {json.dumps(want)}\nproxy:     {json.dumps(got)}\n"
                                  f"prefill log:\n{_log_tail(pd.prefill)}\ndecode log:\n{_log_tail(pd.decode)}") from None

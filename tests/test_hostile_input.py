@@ -123,8 +123,8 @@ def test_chat_content_parts(server):
 
 
 @pytest.mark.parametrize("path, extra, field", [
-    ("/v1/completions", {"echo": True}, "echo"), ("/v1/completions", {"suffix": " end"}, "suffix"),
-    ("/v1/completions", {"best_of": 3}, "best_of"), ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"echo": True}, "echo"), ("/v1/completions", {"suffix": " end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
@@ -137,10 +137,12 @@ def test_chat_content_parts(server):
 ])
 def test_fields_this_server_does_not_implement_are_refused_by_name(server, path, extra, field):
     """Issue 27, item 7: accepted and ignored before (a 200 with neither echo nor suffix applied);
-    each is accepted at the value that asks for nothing."""
+    each is accepted at the value that asks for nothing. (Completions' echo and prompt_logprobs
+    are implemented: tests/test_prompt_logprobs.py; chat's echo, vLLM's "prepend the last
+    message", is not.)"""
     body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     _error(_post(server, path, {**body, "max_tokens": 2, **extra}), 400, field)
-    inert = {"echo": False, "suffix": None, "best_of": 1.0, "prompt_logprobs": None, "use_beam_search": False,
+    inert = {"echo": False, "suffix": None, "best_of": 1.0, "use_beam_search": False,
              "tools": [], "tool_choice": "none", "chat_template_kwargs": {},
              "add_special_tokens": path == "/v1/completions",
              "stream_options.continuous_usage_stats": None}[field]

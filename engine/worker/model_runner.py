@@ -24,11 +24,12 @@ from engine.worker.cpu_linear import onednn_available, pack_linears
 from engine.worker.input_batch import InputBatch, RowState
 from engine.worker.models import ModelConfig, model_class
 from engine.worker.quantized import METHODS, pack_modules, quantized_targets, swap_modules, widen_modules
-from engine.worker.sampler import Sampler, SamplingMetadata
+from engine.worker.sampler import Sampler, SamplingMetadata, logprob_entries
 
 logger = logging.getLogger("engine.worker")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30
+PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at a time (prompt_logprobs)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -223,8 +224,9 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
         self.connector.save_kv(so.kv_connector_metadata)
 
-        # Sample for requests whose known tokens are now all computed; the rest are mid-prefill.
         rows = inputs.rows
+        output.prompt_logprobs = self._prompt_logprobs(hidden, inputs)
+        # Sample for requests whose known tokens are now all computed; the rest are mid-prefill.
         batch.num_computed[rows] += inputs.attention.query_lens
         sampling = np.flatnonzero(batch.num_computed[rows] == batch.num_tokens[rows])
         if len(sampling):
@@ -246,6 +248,30 @@ class ModelRunner:
                     output.logprobs[state.req_id] = sampled.logprobs[i]
         output.kv_connector_output = self._connector_output()
         return output
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs) -> dict[str, tuple[int, list]]:
+        """For the rows that asked for prompt_logprobs: each prompt token that this step's
+        positions predict (position p's logits predict token p + 1), with the top k, from the raw
+        logits; PROMPT_LOGPROBS_SLICE positions at a time, so a long chunk never holds its whole
+        [positions, vocab] logits. Called before num_computed advances past this step."""
+        result = {}
+        for i, row in enumerate(inputs.rows):
+            state = self.batch.states[row]
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start, prompt = int(self.batch.num_computed[row]), state.prompt_token_ids
+            end = min(start + int(inputs.attention.query_lens[i]), len(prompt) - 1)
+            base = int(inputs.attention.query_start[i]) - start  # hidden row of position p: base + p
+            entries = []
+            for p0 in range(start, end, PROMPT_LOGPROBS_SLICE):
+                p1 = min(end, p0 + PROMPT_LOGPROBS_SLICE)
+                logits = self.model.compute_logits(hidden[base + p0:base + p1])
+                targets = torch.tensor(prompt[p0 + 1:p1 + 1], dtype=torch.int64, device=logits.device)
+                entries += logprob_entries(logits, targets, k)
+            if entries:
+                result[state.req_id] = (start + 1, entries)
+        return result
 
     def _connector_output(self) -> KVConnectorOutput:
         """What the connector learned since the last step, with its counters read after it (so

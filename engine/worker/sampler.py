@@ -262,19 +262,23 @@ class Sampler:
 def _gather_logprobs(
     raw: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata
 ) -> list[list[tuple[int, float, int]]]:
+    entries = logprob_entries(raw, sampled, meta.max_num_logprobs)
+    return [[] if n is None else entries[i][: n + 1] for i, n in enumerate(meta.num_logprobs)]
+
+
+def logprob_entries(raw: torch.Tensor, chosen: torch.Tensor, k: int) -> list[list[tuple[int, float, int]]]:
+    """Per row of logits: [(token id, logprob, rank)] for the row's chosen token (the sampled
+    one, or a prompt's next token) first, then the top k in descending order."""
     # Logprobs describe the model's distribution: raw logits, before bans, penalties or temperature.
-    logprobs = torch.log_softmax(raw, dim=-1)  # [num_rows, vocab]
-    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))  # [num_rows, 1]
-    sampled_rank = (logprobs > sampled_lp).sum(dim=-1, keepdim=True) + 1
-    top_lp, top_ids = logprobs.topk(meta.max_num_logprobs, dim=-1)  # [num_rows, k], descending
+    logprobs = torch.log_softmax(raw.float(), dim=-1)  # [num_rows, vocab]
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [num_rows, 1]
+    chosen_rank = (logprobs > chosen_lp).sum(dim=-1, keepdim=True) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=-1)  # [num_rows, k], descending
     # Anything strictly above a top-k value is itself in the top k, so ranks need only the top k.
     top_rank = (top_lp.unsqueeze(1) > top_lp.unsqueeze(2)).sum(dim=-1) + 1
 
-    # Column 0 is the sampled token, then the top k; one device-to-host copy per tensor.
-    ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1).tolist()  # [num_rows, 1 + k]
-    values = torch.cat([sampled_lp, top_lp], dim=1).tolist()
-    ranks = torch.cat([sampled_rank, top_rank], dim=1).tolist()
-    return [
-        [] if n is None else list(zip(ids[i][: n + 1], values[i][: n + 1], ranks[i][: n + 1]))
-        for i, n in enumerate(meta.num_logprobs)
-    ]
+    # Column 0 is the chosen token, then the top k; one device-to-host copy per tensor.
+    ids = torch.cat([chosen.unsqueeze(1), top_ids], dim=1).tolist()  # [num_rows, 1 + k]
+    values = torch.cat([chosen_lp, top_lp], dim=1).tolist()
+    ranks = torch.cat([chosen_rank, top_rank], dim=1).tolist()
+    return [list(zip(i, v, r)) for i, v, r in zip(ids, values, ranks)]
