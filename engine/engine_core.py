@@ -53,6 +53,9 @@ logger = logging.getLogger("engine")
 MAX_REQUEST_ID_LEN = 256
 MAX_KEPT_DURATIONS = 4096  # transfer and load durations kept for a reader that never drains (offline use)
 HANDED_OFF = RequestStatus.FINISHED_HANDED_OFF.finish_reason
+# Model steps that may fail in a row, each contained to its requests, before the engine is
+# taken for broken (a failing request is isolated in at most a few of them).
+MAX_FAILED_STEPS = 8
 
 
 @dataclass(slots=True)
@@ -154,6 +157,7 @@ class EngineCore:
         self._request_of: dict[str, str] = {}  # sequence id -> engine request id
         # First tokens that ended their sequence as they arrived: they go out with the next step.
         self._pending: list[EngineCoreOutput] = []
+        self._failed_steps = 0  # model steps that raised in a row (_contain_step_failure)
 
     def _tiered_connector(self, config: EngineConfig, cfg: ModelConfig,
                           dtype) -> tuple[TieredConnectorScheduler, TieredConnectorWorker]:
@@ -370,9 +374,14 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         scheduler_output = self.scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
-        runner_output = self.runner.execute_model(scheduler_output)
-        self._keep_connector_stats(runner_output.kv_connector_output.stats)
-        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception as exc:
+            outputs += self._contain_step_failure(scheduler_output, exc)
+        else:
+            self._failed_steps = 0
+            self._keep_connector_stats(runner_output.kv_connector_output.stats)
+            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         for out in outputs:
             request_id = self._request_of.get(out.req_id)
             request = self._requests.get(request_id) if request_id is not None else None
@@ -384,6 +393,20 @@ class EngineCore:
             if out.finish_reason is not None and request is not None:
                 self._end_sequence(out.req_id)
         return outputs
+
+    def _contain_step_failure(self, scheduler_output, exc: Exception) -> list[EngineCoreOutput]:
+        """A model step raised: the requests in it are recomputed, each alone, and the one the
+        failure follows ends with an error (scheduler.quarantine); the others, and everything
+        not in the step, go on. A step with no request in it, or MAX_FAILED_STEPS failing in a
+        row (the model, not a request), re-raises: the engine is broken."""
+        self._failed_steps += 1
+        if not scheduler_output.num_scheduled_tokens or self._failed_steps > MAX_FAILED_STEPS:
+            raise exc
+        logger.exception("a model step with %d request(s) failed; recomputing them one at a time",
+                         len(scheduler_output.num_scheduled_tokens))
+        self.scheduler.quarantine(scheduler_output.num_scheduled_tokens,
+                                  f"the model step failed on this request: {type(exc).__name__}: {exc}")
+        return self.scheduler.take_pending_outputs()
 
     def _track_hand_off(self, request: _EngineRequest, out: EngineCoreOutput) -> None:
         hand_off = request.hand_off

@@ -90,6 +90,10 @@ class Request:
         # Prompt tokens served from a cache (device prefix cache or a connector) at first schedule.
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # In a model step that raised with other requests: until a step runs it alone and
+        # succeeds, it only runs alone (scheduler.quarantine), so a second failure names it.
+        self.suspect = False
+        self.num_quarantines = 0
         # Seconds from arrival to the first schedule.
         self.queue_time: float | None = None
         self.status = RequestStatus.WAITING

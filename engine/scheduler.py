@@ -22,6 +22,9 @@ from engine.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutp
                             NewRequestData, SchedulerOutput)
 from engine.request import Request, RequestStatus
 
+# Times a request may be recomputed for sharing a step that raised before it fails itself.
+MAX_QUARANTINES = 3
+
 logger = logging.getLogger("engine.scheduler")
 
 
@@ -97,12 +100,45 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request in self.waiting:
-                self.waiting.remove(request)
+            self._leave_queues(request)
             request.status = status
             self._free_request(request)
+
+    def _leave_queues(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    # ---- a model step that raised --------------------------------------------------------
+    def quarantine(self, scheduled: dict[str, int], error: str) -> None:
+        """The step that ran these requests (id -> tokens it computed) raised: the KV it was to
+        write is not in their blocks, so those blocks leave the prefix cache (they were cached
+        when allocated). Alone in the step, a request fails with the error;
+        with others, each is recomputed from scratch (its blocks freed, as a preemption) and runs
+        alone until a step of its own succeeds, so a second failure names the request that
+        causes it. One quarantined MAX_QUARANTINES times without failing alone (a fault that
+        needs company) fails too: the quarantine always ends."""
+        for req_id, num_tokens in scheduled.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status.is_finished:
+                continue
+            self.kv.invalidate(request, (request.num_computed_tokens - num_tokens) // self.kv.block_size)
+            request.num_quarantines += 1
+            self._leave_queues(request)
+            if len(scheduled) == 1 or request.num_quarantines > MAX_QUARANTINES:
+                self._finish_with_error(request, error)
+                continue
+            request.suspect = True
+            self.kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self._finished_req_ids.add(request.request_id)
+            self.waiting.appendleft(request)
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -115,6 +151,34 @@ class Scheduler:
         of preemption, so blocks can never all sit with requests that will not run: as long
         as a request fits the pool alone, some request makes progress.
         """
+        # A request in a step that raised runs alone until a step of its own succeeds (it needs
+        # blocks: while it cannot get them, the others run without it).
+        suspect = next((r for r in (*self.running, *self.waiting) if r.suspect), None)
+        if suspect is None:
+            num_scheduled, new_reqs, cached = self._plan(lambda r: True)
+        else:
+            num_scheduled, new_reqs, cached = self._plan(lambda r: r is suspect)
+            if not num_scheduled:
+                num_scheduled, new_reqs, cached = self._plan(lambda r: not r.suspect)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+        )
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self._finished_req_ids = set()
+        # Advance the counters now so the next step can be planned before results return.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        self._add_grammar_bitmask(output)
+        return output
+
+    def _plan(self, eligible) -> tuple[dict[str, int], list[NewRequestData], CachedRequestData]:
+        """The step's requests among those ``eligible`` (the others keep their places and blocks,
+        but may be preempted for room)."""
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -126,6 +190,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not eligible(request):
+                i += 1
+                continue
             num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
@@ -152,6 +219,8 @@ class Scheduler:
             for request in sorted(self.waiting, key=lambda r: not self._is_parked(r)):  # stable
                 if budget <= 0:
                     break
+                if not eligible(request):
+                    continue
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KV or self._follows_a_load(request):
                     continue
                 if request.grammar is not None and not request.grammar.ready():
@@ -180,20 +249,7 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if r.status in (
                 RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.PREEMPTED))
 
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids,
-        )
-        output.kv_connector_metadata = self.connector.build_connector_meta(output)
-        self._finished_req_ids = set()
-        # Advance the counters now so the next step can be planned before results return.
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
-        self._add_grammar_bitmask(output)
-        return output
+        return num_scheduled, new_reqs, cached
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """One bitmask row per request that samples this step under a grammar: its tokens
@@ -315,6 +371,8 @@ class Scheduler:
         finished_ids: set[str] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
+            if request is not None:
+                request.suspect = False  # a step with it succeeded (alone, if it was a suspect)
             token = runner_output.sampled_token_ids.get(req_id)
             if request is not None and req_id in runner_output.prompt_logprobs:
                 request.record_prompt_logprobs(*runner_output.prompt_logprobs[req_id])

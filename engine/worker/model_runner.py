@@ -110,9 +110,14 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler()
         self.batch = InputBatch(max_model_len, self.block_size, self.device)
-        # Test hook (FAULTS 24), only with ENGINE_ALLOW_FAULTS=1: the Nth forward pass raises.
-        self._fail_at_forward = (int(os.environ.get("ENGINE_FAULT_FORWARD_AT", "0"))
-                                 if os.environ.get("ENGINE_ALLOW_FAULTS") == "1" else 0)
+        # Test hooks, only with ENGINE_ALLOW_FAULTS=1. ENGINE_FAULT_FORWARD_AT=N (FAULTS 24): the
+        # Nth forward pass and every later one raise (a broken model). ENGINE_FAULT_REQUEST=
+        # PREFIX@N: a forward that computes position N of a request whose id contains PREFIX
+        # raises (one request that a kernel cannot run: engine_core contains it).
+        faults = os.environ.get("ENGINE_ALLOW_FAULTS") == "1"
+        self._fail_at_forward = int(os.environ.get("ENGINE_FAULT_FORWARD_AT", "0")) if faults else 0
+        prefix, _, position = (os.environ.get("ENGINE_FAULT_REQUEST", "") if faults else "").rpartition("@")
+        self._fail_request = (prefix, int(position)) if prefix else None
         self._num_forwards = 0
 
     def _quantize(self, model: torch.nn.Module, model_dir: Path):
@@ -219,8 +224,10 @@ class ModelRunner:
                  for window in self.model_config.attention_windows}
 
         self._num_forwards += 1
-        if self._num_forwards == self._fail_at_forward:
+        if 0 < self._fail_at_forward <= self._num_forwards:
             raise RuntimeError(f"injected failure in forward pass {self._num_forwards} (ENGINE_FAULT_FORWARD_AT)")
+        if self._fail_request is not None:
+            self._inject_request_fault(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
         self.connector.save_kv(so.kv_connector_metadata)
 
@@ -248,6 +255,15 @@ class ModelRunner:
                     output.logprobs[state.req_id] = sampled.logprobs[i]
         output.kv_connector_output = self._connector_output()
         return output
+
+    def _inject_request_fault(self, inputs) -> None:
+        prefix, position = self._fail_request
+        for i, row in enumerate(inputs.rows):
+            start = int(self.batch.num_computed[row])
+            if (prefix in self.batch.states[row].req_id
+                    and start <= position < start + int(inputs.attention.query_lens[i])):
+                raise RuntimeError(f"injected failure at position {position} of {self.batch.states[row].req_id} "
+                                   "(ENGINE_FAULT_REQUEST)")
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs) -> dict[str, tuple[int, list]]:
         """For the rows that asked for prompt_logprobs: each prompt token that this step's
