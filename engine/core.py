@@ -52,6 +52,14 @@ class EngineCoreProc:
         self.generation_tokens = 0
 
     def handle_add(self, msg: AddRequest) -> Ack:
+        ack = self._admit(msg)
+        if ack.status != 200 and msg.kv_transfer_params is not None:
+            # Refused with a peer's hand-off: that peer frees the KV now, not at its lease's end
+            # (a router that does not release it itself, as vLLM's do not).
+            self.engine.release_peer_offer(msg.kv_transfer_params)
+        return ack
+
+    def _admit(self, msg: AddRequest) -> Ack:
         scheduler = self.engine.scheduler
         if self.max_queue_len is not None and scheduler.num_waiting + msg.params.n > self.max_queue_len:
             return Ack(msg.request_id, 503, f"the server is busy: {scheduler.num_waiting} requests are waiting "

@@ -333,12 +333,27 @@ class EngineCore:
         signed parameters (a router that will not use them). Returns whether an offer was
         withdrawn; raises KVTransferParamsError for parameters this instance did not sign."""
         check_kv_transfer_params_signature(params, self.config.kv_secret)
-        if not params.do_remote_prefill or params.remote_engine_id != self.engine_id:
+        if not params.do_remote_prefill:
             return False
+        if params.remote_engine_id != self.engine_id:  # a peer's offer: it frees it on our word
+            return self.scheduler.connector.release_peer(params)
         seq_id = params.remote_request_id
         held = seq_id in self.scheduler.held
         self.scheduler.withdraw_kv(seq_id)
         return held
+
+    def release_peer_offer(self, raw_params) -> bool:
+        """A request carrying a peer's hand-off was refused here: the peer frees that KV now.
+        Only for parameters that parse and carry this deployment's signature (nothing else
+        makes this instance contact an address); returns whether a release goes out."""
+        try:
+            params = parse_kv_transfer_params(raw_params)
+            if params is None or not params.do_remote_prefill or params.remote_engine_id == self.engine_id:
+                return False
+            check_kv_transfer_params_signature(params, self.config.kv_secret)
+        except KVTransferParamsError:
+            return False
+        return self.scheduler.connector.release_peer(params)
 
     def _end_sequence(self, seq_id: str) -> None:
         request_id = self._request_of.pop(seq_id, None)

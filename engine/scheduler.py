@@ -80,6 +80,8 @@ class Scheduler:
             self.stats.num_rejected += 1
             self._pending_outputs.append(EngineCoreOutput(
                 request.request_id, [], finish_reason="error", error=request.error))
+            if request.kv_transfer_params is not None:  # a peer's hand-off it will never pull
+                self.connector.release_peer(request.kv_transfer_params)
             return
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -101,6 +101,22 @@ def test_prefix_hit_on_decode(pd, colocated):
     assert pd.decode.status()["kv_transfer"]["bytes"] == d_bytes
 
 
+def test_a_decode_that_refuses_a_hand_off_releases_it(pd):
+    """Issue 28: a vLLM-style router sends D the client's request with P's parameters and never
+    releases them itself. When D refuses the request (here prompt_logprobs, which needs the prompt
+    computed on D; a full queue or a request bigger than D's pool alike), D tells P to free the
+    KV at once: P is idle long before its 30 s lease."""
+    prompt = [23] * 40
+    signed = httpx.post(f"{pd.prefill.url}/v1/completions", timeout=30, json={
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+    ).json()["kv_transfer_params"]
+    assert pd.prefill.status()["kv_blocks"]["in_use"] > 0  # on offer, under the lease
+    resp = httpx.post(f"{pd.decode.url}/v1/completions", timeout=30, json={
+        "prompt": prompt, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 1, "kv_transfer_params": signed})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs", resp.text
+    pd.prefill.wait_idle(timeout=5)  # released by D's refusal, not by the lease
+
+
 def test_32_concurrent_requests(pd, colocated):
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 120))] for _ in range(32)]

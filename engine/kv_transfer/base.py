@@ -135,6 +135,12 @@ class KVConnectorScheduler(ABC):
         True if the worker half must let go first (the blocks stay held until ``send_done``)."""
         return False
 
+    def release_peer(self, params: KVTransferParams) -> bool:
+        """A peer's hand-off (signed parameters, checked by the caller) that this instance will
+        not pull, because it refused the request: tell the peer to free that KV now rather than
+        at its lease's end. True if a release goes out."""
+        return False
+
     def has_pending_metadata(self) -> bool:
         """Work queued for the worker half outside a step's plan (a release, a cancel): the
         engine runs another step to deliver it."""

@@ -92,6 +92,9 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def withdraw(self, req_id: str) -> bool:
         return any([c.withdraw(req_id) for c in self.connectors])
 
+    def release_peer(self, params: KVTransferParams) -> bool:
+        return any([c.release_peer(params) for c in self.connectors])
+
     def has_pending_metadata(self) -> bool:
         return any(c.has_pending_metadata() for c in self.connectors)
 

@@ -160,6 +160,14 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             token_digest(request.prompt_token_ids[:params.num_tokens])))
         self._loading.add(request.request_id)
 
+    def release_peer(self, params: KVTransferParams) -> bool:
+        if not (params.do_remote_prefill and params.remote_kv_addr and params.remote_request_id
+                and params.token_digest):
+            return False
+        self._meta.releases.append(ReleaseSpec(self._peer_addr(params), params.remote_request_id,
+                                               params.token_digest))
+        return True
+
     def _release(self, request: Request, params: KVTransferParams) -> ReleaseSpec:
         return ReleaseSpec(self._peer_addr(params), params.remote_request_id,
                            token_digest(request.prompt_token_ids[:params.num_tokens]))
