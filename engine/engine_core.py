@@ -53,9 +53,12 @@ logger = logging.getLogger("engine")
 MAX_REQUEST_ID_LEN = 256
 MAX_KEPT_DURATIONS = 4096  # transfer and load durations kept for a reader that never drains (offline use)
 HANDED_OFF = RequestStatus.FINISHED_HANDED_OFF.finish_reason
-# Model steps that may fail in a row, each contained to its requests, before the engine is
-# taken for broken (a failing request is isolated in at most a few of them).
+# Failing model steps in a row (none succeeding between them) after which the engine is taken
+# for broken, not a request: steps of several requests, whose failure names no one (a failing
+# request is isolated in one or two of them), and steps of one request, each of which failed
+# that request alone (as many as poisoned requests in flight, so the bound is wide).
 MAX_FAILED_STEPS = 8
+MAX_ISOLATED_FAILURES = 32
 
 
 @dataclass(slots=True)
@@ -157,7 +160,7 @@ class EngineCore:
         self._request_of: dict[str, str] = {}  # sequence id -> engine request id
         # First tokens that ended their sequence as they arrived: they go out with the next step.
         self._pending: list[EngineCoreOutput] = []
-        self._failed_steps = 0  # model steps that raised in a row (_contain_step_failure)
+        self._failed_steps = self._isolated_failures = 0  # failing steps in a row (_contain_step_failure)
 
     def _tiered_connector(self, config: EngineConfig, cfg: ModelConfig,
                           dtype) -> tuple[TieredConnectorScheduler, TieredConnectorWorker]:
@@ -394,7 +397,8 @@ class EngineCore:
         except Exception as exc:
             outputs += self._contain_step_failure(scheduler_output, exc)
         else:
-            self._failed_steps = 0
+            if scheduler_output.total_num_scheduled_tokens:
+                self._failed_steps = self._isolated_failures = 0
             self._keep_connector_stats(runner_output.kv_connector_output.stats)
             outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         for out in outputs:
@@ -412,10 +416,16 @@ class EngineCore:
     def _contain_step_failure(self, scheduler_output, exc: Exception) -> list[EngineCoreOutput]:
         """A model step raised: the requests in it are recomputed, each alone, and the one the
         failure follows ends with an error (scheduler.quarantine); the others, and everything
-        not in the step, go on. A step with no request in it, or MAX_FAILED_STEPS failing in a
-        row (the model, not a request), re-raises: the engine is broken."""
-        self._failed_steps += 1
-        if not scheduler_output.num_scheduled_tokens or self._failed_steps > MAX_FAILED_STEPS:
+        not in the step, go on. A step with no request in it, one that failed before the
+        connector's instructions reached the worker (other requests' transfers), or a run of
+        failing steps past MAX_FAILED_STEPS / MAX_ISOLATED_FAILURES (the model, not a request)
+        re-raises: the engine is broken."""
+        alone = len(scheduler_output.num_scheduled_tokens) == 1
+        self._isolated_failures += alone
+        self._failed_steps += not alone
+        if (not scheduler_output.num_scheduled_tokens or self._failed_steps > MAX_FAILED_STEPS
+                or self._isolated_failures > MAX_ISOLATED_FAILURES
+                or not getattr(self.runner, "connector_meta_delivered", True)):  # other requests' transfers lost
             raise exc
         logger.exception("a model step with %d request(s) failed; recomputing them one at a time",
                          len(scheduler_output.num_scheduled_tokens))

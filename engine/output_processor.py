@@ -100,6 +100,7 @@ class OutputProcessor:
         self.kv_secret = kv_secret
         self._requests: dict[str, _Request] = {}
         self._request_of: dict[str, str] = {}  # sequence id -> request id
+        self._token_texts: dict[int, str] = {}  # _token_text
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     kind: OutputKind, first_tokens_shown: bool = False) -> None:
@@ -211,7 +212,15 @@ class OutputProcessor:
         return False
 
     def _decoded(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
-        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
+        return {tid: Logprob(lp, rank, self._token_text(tid)) for tid, lp, rank in entries}
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's string, decoded once (a prompt's logprobs name prompt × (k + 1) tokens,
+        mostly the same few; at most the vocabulary is kept)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _settle_hand_off(self, request: _Request) -> None:
         """A prefill instance's request whose first tokens all ended their sequences here (stop

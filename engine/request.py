@@ -93,7 +93,11 @@ class Request:
         # In a model step that raised with other requests: until a step runs it alone and
         # succeeds, it only runs alone (scheduler.quarantine), so a second failure names it.
         self.suspect = False
+        self.suspect_until = 0  # ... through this many computed tokens (the failed step's end)
         self.num_quarantines = 0
+        # Took a prefix hit on blocks a failed step never wrote while its KV load was in
+        # flight: recomputed when the load lands.
+        self.stale_prefix = False
         # Seconds from arrival to the first schedule.
         self.queue_time: float | None = None
         self.status = RequestStatus.WAITING

@@ -116,27 +116,48 @@ class Scheduler:
     def quarantine(self, scheduled: dict[str, int], error: str) -> None:
         """The step that ran these requests (id -> tokens it computed) raised: the KV it was to
         write is not in their blocks, so those blocks leave the prefix cache (they were cached
-        when allocated). Alone in the step, a request fails with the error;
-        with others, each is recomputed from scratch (its blocks freed, as a preemption) and runs
-        alone until a step of its own succeeds, so a second failure names the request that
-        causes it. One quarantined MAX_QUARANTINES times without failing alone (a fault that
-        needs company) fails too: the quarantine always ends."""
+        when allocated), and any other request already holding one (a prefix hit taken in the
+        same plan) is recomputed too. Alone in the step, a request fails with the error; with
+        others, each is recomputed from scratch (its blocks freed, as a preemption) and runs
+        alone until it has passed the failed step's tokens, so a second failure names the
+        request that causes it. One quarantined MAX_QUARANTINES times without failing alone (a
+        fault that needs company) fails too: the quarantine always ends."""
+        unwritten: set[int] = set()
+        for req_id, num_tokens in scheduled.items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.status.is_finished:
+                first = (request.num_computed_tokens - num_tokens) // self.kv.block_size
+                unwritten |= {b.block_id for b in self.kv.req_to_blocks.get(req_id, [])[first:]}
+                self.kv.invalidate(request, first)
         for req_id, num_tokens in scheduled.items():
             request = self.requests.get(req_id)
             if request is None or request.status.is_finished:
                 continue
-            self.kv.invalidate(request, (request.num_computed_tokens - num_tokens) // self.kv.block_size)
             request.num_quarantines += 1
             self._leave_queues(request)
             if len(scheduled) == 1 or request.num_quarantines > MAX_QUARANTINES:
                 self._finish_with_error(request, error)
                 continue
             request.suspect = True
-            self.kv.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            self._finished_req_ids.add(request.request_id)
-            self.waiting.appendleft(request)
+            request.suspect_until = max(request.suspect_until, request.num_computed_tokens)
+            self._recompute(request)
+        for request in list(self.requests.values()):  # holders outside the step
+            if request.request_id not in scheduled and any(
+                    b.block_id in unwritten for b in self.kv.req_to_blocks.get(request.request_id, [])):
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                    request.stale_prefix = True  # its load lands in its own blocks: recomputed on arrival
+                else:
+                    self._leave_queues(request)
+                    self._recompute(request)
+
+    def _recompute(self, request: Request) -> None:
+        """Back to the front of the queue with nothing computed (a preemption, for a reason
+        other than memory)."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self._finished_req_ids.add(request.request_id)
+        self.waiting.appendleft(request)
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -161,7 +182,10 @@ class Scheduler:
         else:
             num_scheduled, new_reqs, cached = self._plan(lambda r: r is suspect)
             if not num_scheduled:
-                num_scheduled, new_reqs, cached = self._plan(lambda r: not r.suspect)
+                # The suspect waits (for blocks, or its turn): what already holds blocks goes
+                # on, nothing new is admitted ahead of it.
+                num_scheduled, new_reqs, cached = self._plan(
+                    lambda r: not r.suspect and (r.status == RequestStatus.RUNNING or self._is_parked(r)))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -373,8 +397,9 @@ class Scheduler:
         finished_ids: set[str] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is not None:
-                request.suspect = False  # a step with it succeeded (alone, if it was a suspect)
+            if request is not None and request.suspect and request.num_computed_tokens >= request.suspect_until:
+                # Alone, it ran past the tokens of the step that failed: not the cause.
+                request.suspect, request.num_quarantines = False, 0
             token = runner_output.sampled_token_ids.get(req_id)
             if request is not None and req_id in runner_output.prompt_logprobs:
                 request.record_prompt_logprobs(*runner_output.prompt_logprobs[req_id])
@@ -423,6 +448,11 @@ class Scheduler:
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
             request.status = RequestStatus.WAITING
+            if request.stale_prefix:  # a prefix hit on blocks a failed step never wrote
+                request.stale_prefix = False
+                self._leave_queues(request)
+                self._recompute(request)
+                continue
             if not failed:
                 self.kv.cache_blocks(request, request.num_computed_tokens)
                 logger.debug("request %s: KV arrived, WAITING to run", req_id)

@@ -389,6 +389,7 @@ class _Response:
         self.prompt_texts: list[str] = []  # set by the server when echo
         self.prompt_logprobs: dict[int, list] = {}  # by prompt index, as RequestDelta brings them
         self.started: set[int] = set()  # choices whose first chunk went out (streaming)
+        self._echoed_prompts: dict[int, tuple[str, dict, int]] = {}  # _echoed, per prompt
 
     def _record(self, prompt_index: int, delta) -> None:
         now = time.monotonic()
@@ -464,10 +465,12 @@ class _Response:
         own_text, own = ("", []) if self.echo_only else (text, entries)
         if self.request.logprobs is None:
             return (self.prompt_texts[prompt_index] if first else "") + own_text, None
-        prompt_entries = self.prompt_logprobs.get(prompt_index) or []
-        first_token = self.server.tokenizer.decode(self.prompts[prompt_index][:1])
-        echoed = self._logprobs(prompt_entries[1:], len(first_token))
-        chars = len(first_token) + sum(len(t) for t in echoed["tokens"])
+        if prompt_index not in self._echoed_prompts:  # once per prompt, not per streamed chunk
+            first_token = self.server.tokenizer.decode(self.prompts[prompt_index][:1])
+            echoed = self._logprobs((self.prompt_logprobs.get(prompt_index) or [])[1:], len(first_token))
+            self._echoed_prompts[prompt_index] = (first_token, echoed,
+                                                  len(first_token) + sum(len(t) for t in echoed["tokens"]))
+        first_token, echoed, chars = self._echoed_prompts[prompt_index]
         logprobs = self._logprobs(own or [], text_offset + chars)
         if first:
             logprobs = {"tokens": [first_token] + echoed["tokens"] + logprobs["tokens"],

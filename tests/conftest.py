@@ -98,6 +98,7 @@ def rounded_to_q8_0(x: torch.Tensor) -> torch.Tensor:
     kept in float32, round-half-even), in float64."""
     blocks = x.float().unflatten(-1, (-1, 32))
     d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = torch.where(d >= torch.finfo(torch.float32).tiny, d, torch.zeros_like(d))  # too small to scale: zeros
     q = torch.round(blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d)))
     return (q.double() * d.double()).flatten(-2)
 

@@ -95,7 +95,9 @@ class FakeWorker:
         self.kv: dict[int, list[int | None]] = {}  # block id -> token id in each slot
         self.states: dict[str, dict] = {}
 
-    def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, scheduler: Scheduler, fail: bool = False) -> ModelRunnerOutput:
+        """``fail``: the step raises part way: its requests' slots get garbage (-1), nothing is
+        sampled (engine_core then quarantines them)."""
         for req_id in so.finished_req_ids:
             self.states.pop(req_id, None)
         for new in so.scheduled_new_reqs:
@@ -117,8 +119,10 @@ class FakeWorker:
             assert len(state["blocks"]) * bs >= start + n, f"{req_id} has too few blocks"
             for pos in range(start, start + n):
                 slots = self.kv.setdefault(state["blocks"][pos // bs], [None] * bs)
-                slots[pos % bs] = state["tokens"][pos]
+                slots[pos % bs] = -1 if fail else state["tokens"][pos]
         out = ModelRunnerOutput()
+        if fail:
+            return out
         for req_id, n in so.num_scheduled_tokens.items():  # "attend" and sample
             state = self.states[req_id]
             end = state["computed"] + n

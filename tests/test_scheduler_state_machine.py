@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.scheduler_utils import EOS, FakeWorker, assert_scheduler_empty, check_invariants, make_block_hasher
 
-EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "400"))
 LOAD_DEADLINE_STEPS = 12  # a load that "never comes" fails after this many steps
 PREFIXES = [[1000 + i for i in range(64)], [2000 + i for i in range(64)]]
 
@@ -165,6 +165,24 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         self._step()
+
+    @rule()
+    def failing_step(self):
+        """The model step raises (engine_core._contain_step_failure): garbage in the step's
+        slots, its requests quarantined. Nobody may read that garbage later: not a request of
+        the step, nor one that took a prefix hit on its blocks (a running or loading one)."""
+        so = self.scheduler.schedule()
+        check_invariants(self.scheduler, so)
+        new_loads, cancels = so.kv_connector_metadata
+        self.loads += new_loads
+        self.cancelled.update(cancels)
+        self.worker.execute(so, self.scheduler, fail=True)
+        if so.num_scheduled_tokens:
+            self.scheduler.quarantine(so.num_scheduled_tokens, "injected step failure")
+        for out in self.scheduler.take_pending_outputs():
+            if out.finish_reason is not None:
+                self.live.discard(out.req_id)
+                self.finished[out.req_id] = out.finish_reason
 
     # ---- invariants ------------------------------------------------------------------------
     @invariant()

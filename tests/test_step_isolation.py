@@ -17,25 +17,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.engine_core import MAX_FAILED_STEPS
+from engine.engine_core import MAX_FAILED_STEPS, MAX_ISOLATED_FAILURES
 from tests.conftest import assert_engine_idle
 
 CHUNK = 16  # max_num_batched_tokens: prompts run in chunks, many requests share steps
 
 
-def _engine(model, monkeypatch, fault: str | None) -> LLM:
+def _engine(model, monkeypatch, fault: str | None, prefix_caching: bool) -> LLM:
     if fault is not None:
         monkeypatch.setenv("ENGINE_ALLOW_FAULTS", "1")
         monkeypatch.setenv("ENGINE_FAULT_REQUEST", fault)
-    llm = LLM(str(model), num_blocks=48, dtype="float32", max_num_batched_tokens=CHUNK, max_num_seqs=8)
+    llm = LLM(str(model), num_blocks=48, dtype="float32", max_num_batched_tokens=CHUNK, max_num_seqs=8,
+              enable_prefix_caching=prefix_caching)
     monkeypatch.delenv("ENGINE_FAULT_REQUEST", raising=False)
     return llm
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_llama):
+@pytest.fixture(scope="module", params=[True, False], ids=["prefix-caching", "no-prefix-caching"])
+def engines(tiny_llama, request):
+    """Without prefix caching a suspect recomputes from 0 through the failed step's tokens."""
     with pytest.MonkeyPatch.context() as mp:
-        yield _engine(tiny_llama, mp, None), _engine(tiny_llama, mp, "poison@0")
+        yield (_engine(tiny_llama, mp, None, request.param), _engine(tiny_llama, mp, "poison@0", request.param))
 
 
 def _run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams]], salt: str) -> dict:
@@ -106,20 +108,58 @@ def test_a_request_that_breaks_a_step_fails_alone(engines, case):
     assert_engine_idle(clean)
 
 
+def test_a_fault_in_a_later_chunk_fails_only_its_request(engines):
+    """The poisoned prompt fails in its third 16-token chunk, next to two decoding requests: it
+    stays a suspect (alone) through that chunk, so the decodes never share its failure."""
+    clean, faulty = engines
+    faulty.engine.core.runner._fail_request = ("poison", 35)
+    salt = f"later-{next(EXAMPLES)}"
+    innocents = [(f"r{i}", [200 + i] * 12, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+                 for i in range(2)]
+    poisoned = [("poison-0", list(range(300, 340)), SamplingParams(max_tokens=2))]
+    want = _run(clean, innocents, salt)
+    got = _run(faulty, innocents + poisoned, salt)
+    assert "injected failure" in (got["poison-0"].error or "")
+    for r, _, _ in innocents:
+        assert got[r].error is None and got[r].outputs[0].token_ids == want[r].outputs[0].token_ids
+    assert_engine_idle(faulty)
+
+
+def test_many_failing_requests_do_not_stop_the_engine(tiny_llama):
+    """More poisoned requests in one step than MAX_FAILED_STEPS: each fails alone, which names
+    it, so the engine never takes them for a broken model; the others finish as without them."""
+    with pytest.MonkeyPatch.context() as mp:
+        clean = LLM(str(tiny_llama), num_blocks=64, dtype="float32", max_num_seqs=16)
+        mp.setenv("ENGINE_ALLOW_FAULTS", "1")
+        mp.setenv("ENGINE_FAULT_REQUEST", "poison@0")
+        faulty = LLM(str(tiny_llama), num_blocks=64, dtype="float32", max_num_seqs=16)
+    innocents = [(f"r{i}", [100 + i] * 20, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+                 for i in range(2)]
+    poisoned = [(f"poison-{i}", [7], SamplingParams(max_tokens=2)) for i in range(MAX_FAILED_STEPS + 4)]
+    want = _run(clean, innocents, "many")
+    got = _run(faulty, innocents + poisoned, "many")
+    assert all("injected failure" in (got[r].error or "") for r, _, _ in poisoned)
+    assert [got[r].outputs[0].token_ids for r, _, _ in innocents] == [want[r].outputs[0].token_ids
+                                                                       for r, _, _ in innocents]
+    assert_engine_idle(faulty)
+
+
 def test_a_broken_model_still_stops_the_engine(engines):
-    """Every step raising is the model's fault, not a request's: after MAX_FAILED_STEPS the step
-    raises (the server reports the engine dead, FAULTS 24) instead of failing requests forever."""
+    """Every step raising is the model's fault, not a request's: after MAX_ISOLATED_FAILURES
+    requests failed alone in a row the step raises (the server reports the engine dead, FAULTS
+    24) instead of failing requests forever."""
     _, faulty = engines
     runner = faulty.engine.core.runner
     runner._fail_request = ("", 0)  # every request, at its first position
+    ids = [f"b{i}" for i in range(MAX_ISOLATED_FAILURES + 4)]
     try:
-        for i in range(MAX_FAILED_STEPS + 2):
-            faulty.engine.add_request(f"b{i}", [5, 6, 7], SamplingParams(max_tokens=2))
+        for request_id in ids:
+            faulty.engine.add_request(request_id, [5, 6, 7], SamplingParams(max_tokens=2))
         with pytest.raises(RuntimeError, match="injected failure"):
-            for _ in range(100):
+            for _ in range(500):
                 faulty.engine.step()
     finally:
         runner._fail_request = ("poison", 0)
-        faulty.engine.abort_request([f"b{i}" for i in range(MAX_FAILED_STEPS + 2)])
+        faulty.engine.abort_request(ids)
         for _ in range(5):
             faulty.engine.step()

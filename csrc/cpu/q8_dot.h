@@ -1,14 +1,15 @@
 // Q8_0 weights by integer dot products, as llama.cpp multiplies them: the activations are
 // rounded to Q8_0 too, per row and per block of 32 values, at the layer's input
 // (quantize_activations_q8: d = amax / 127, q = round-half-even(x / d) in [-127, 127]), and
-// then each block's dot product is an exact integer sum, scaled once by d_w * d_x in float32:
+// then each block's dot product is an integer sum, scaled once by d_w * d_x in float32:
 //
 //   y[n] = sum over blocks b of  d_w[n][b] * d_x[b] * sum_i q_w[n][b][i] * q_x[b][i]
 //
 // Only the activation rounding differs from x @ dequantize(W)^T (its relative error is about
 // 1 / 254 of a block's largest value; docs/quantization.md measures the perplexity), and every
-// ISA computes the same rounding; the float32 sums differ only in order. engine/worker/
-// quantized.py's round_activations_q8 is the same rounding in torch, for the dense fallback.
+// ISA computes the same rounding; the float32 sums differ only in order (and on VNNI by the
+// offset below, taken off in float32). tests/conftest.py's rounded_to_q8_0 is the same rounding
+// in torch, written apart from this file (the dense fallback does not round).
 //
 // Two kernels, the same sums:
 //  - q8_dot_rows_vnni (AVX512-VNNI, vpdpbusd: unsigned bytes x signed bytes, 64 products and
@@ -69,18 +70,23 @@ inline int32_t sum_int8(const int8_t* q) {  // the sum of 32 int8
 }
 
 // Row `row` of a: k values of x rounded block by block. A block with a NaN or an infinity gets
-// scale NaN (its integers 0), so the layer's outputs are NaN as a float product's would be.
+// scale NaN (its integers 0), so the layer's outputs are NaN as a float product's would be; a
+// block whose scale would be subnormal or 0 (all of it below 127 * FLT_MIN) rounds to zeros.
 template <typename T>
 void quantize_activations_q8(Q8Activations& a, int64_t row, const T* x) {
   for (int64_t g = 0; g < a.groups; ++g) {
-    Vec v[kQK / W], amax = Vec::zero(), sum = Vec::zero();
+    Vec v[kQK / W], amax = Vec::zero(), nonfinite = Vec::zero();
     UNROLL for (int i = 0; i < kQK / W; ++i) {
       v[i] = Vec::load(x + g * kQK + i * W);
       amax = vmax(amax, vabs(v[i]));
-      sum = sum + v[i];
+      nonfinite = nonfinite + (v[i] - v[i]);  // 0 exactly, unless some lane is NaN or infinite
     }
-    float d = reduce_max(amax) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    if (!std::isfinite(reduce_add(sum)) || !std::isfinite(d)) d = std::numeric_limits<float>::quiet_NaN(), inverse = 0.0f;
+    float d = reduce_max(amax) / 127.0f, inverse = 1.0f / d;
+    if (reduce_add(nonfinite) != 0.0f) {  // (NaN too)
+      d = std::numeric_limits<float>::quiet_NaN(), inverse = 0.0f;
+    } else if (!(d >= std::numeric_limits<float>::min())) {
+      d = 0.0f, inverse = 0.0f;
+    }
     int8_t* q = a.q.data() + row * a.k + g * kQK;
     round_to_int8(v, inverse, q);
     a.scale[row * a.groups + g] = d;

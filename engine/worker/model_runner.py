@@ -119,6 +119,7 @@ class ModelRunner:
         prefix, _, position = (os.environ.get("ENGINE_FAULT_REQUEST", "") if faults else "").rpartition("@")
         self._fail_request = (prefix, int(position)) if prefix else None
         self._num_forwards = 0
+        self.connector_meta_delivered = True
 
     def _quantize(self, model: torch.nn.Module, model_dir: Path):
         """Swaps in the quantized modules the model's weights need (on the meta device) and
@@ -191,7 +192,8 @@ class ModelRunner:
         tokens = self.config.max_num_batched_tokens
         per_token = (3 * cfg.hidden_size + 2 * cfg.intermediate_size
                      + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * elem
-        logits = self.config.max_num_seqs * cfg.vocab_size * 4  # sampled in float32
+        # sampled in float32; prompt_logprobs take PROMPT_LOGPROBS_SLICE positions' logits more
+        logits = (self.config.max_num_seqs + PROMPT_LOGPROBS_SLICE) * cfg.vocab_size * 4
         return 2 * (tokens * per_token + logits)
 
     # ---- per-step state ----------------------------------------------------------------
@@ -210,8 +212,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.connector_meta_delivered = False  # until then, a failure loses other requests' transfers
         self._update_states(so)
         self.connector.start_load_kv(so.kv_connector_metadata)
+        self.connector_meta_delivered = True
         output = ModelRunnerOutput()
         if so.total_num_scheduled_tokens == 0:
             output.kv_connector_output = self._connector_output()
@@ -229,7 +233,6 @@ class ModelRunner:
         if self._fail_request is not None:
             self._inject_request_fault(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
-        self.connector.save_kv(so.kv_connector_metadata)
 
         rows = inputs.rows
         output.prompt_logprobs = self._prompt_logprobs(hidden, inputs)
@@ -253,6 +256,9 @@ class ModelRunner:
                 output.sampled_token_ids[state.req_id] = token
                 if sampled.logprobs is not None and state.sampling_params.logprobs is not None:
                     output.logprobs[state.req_id] = sampled.logprobs[i]
+        # Offers and tier saves go out last: a step that raised before here offered nothing
+        # (engine_core recomputes its requests in blocks it may hand to others).
+        self.connector.save_kv(so.kv_connector_metadata)
         output.kv_connector_output = self._connector_output()
         return output
 

@@ -243,13 +243,13 @@ def test_truncated_disk_tier_files(stress_model, reference, tmp_path):
 def test_forward_raising(stress_model):
     """FAULTS 24: the model forward raises, from its 150th step on, with requests in flight (a
     broken model, not one request: tests/test_step_isolation.py has that). Each request gets an
-    error (HTTP 500 or an SSE error event) as it fails alone; after MAX_FAILED_STEPS steps failing
+    error (HTTP 500 or an SSE error event) as it fails alone; after MAX_ISOLATED_FAILURES of them
     in a row /health turns 503, the server exits by itself and leaves no engine-core process."""
-    from engine.engine_core import MAX_FAILED_STEPS
+    from engine.engine_core import MAX_ISOLATED_FAILURES
     server = ServerProcess(str(stress_model), *ARGS, env={"ENGINE_ALLOW_FAULTS": "1", "ENGINE_FAULT_FORWARD_AT": "150"})
     # All arrive at once and are streaming (none can finish 200 tokens in 150 steps) when the
     # 150th forward raises; more of them than failing steps the engine contains.
-    jobs = [Job(i, _prompt(800 + i, 50), 200, None) for i in range(MAX_FAILED_STEPS + 2)]
+    jobs = [Job(i, _prompt(800 + i, 50), 200, None) for i in range(MAX_ISOLATED_FAILURES + 4)]
     try:
         summary = asyncio.run(run_load(server.url, jobs, rate=10_000.0, deadline_s=60))
         assert all(r.error is not None for r in summary.results), [r.finish_reason for r in summary.results]
