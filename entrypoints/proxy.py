@@ -115,7 +115,11 @@ class Proxy:
         self.timeout = timeout
         self._rr = itertools.count()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
-                                      limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+                                      # Idle connections are dropped well before the instances' uvicorn
+                                      # closes them (5 s): reusing one it is closing fails the request
+                                      # (RemoteProtocolError, answered 502) with nothing sent or done.
+                                      limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100,
+                                                          keepalive_expiry=2.0))
         self._background: set[asyncio.Task] = set()  # KV releases on their way (see release)
 
     def ordered(self, pool: list[Upstream]) -> list[Upstream]:
