@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from engine.errors import InvalidRequestError
-from engine.kv_events import MEDIUM, BlockRemoved, BlockStored, KVCacheEvent
+from engine.kv_events import MEDIUM, BlockRemoved, KVCacheEvent, event_extra_keys, stored_events
 from engine.request import Request
 
 KV_HASH_VERSION = b"engine-kv-hash/v1"
@@ -202,18 +202,9 @@ class BlockPool:
             if event_hashes is not None:
                 names = event_hashes
                 self._event_names.update((block_hashes[i], event_hashes[i]) for i in stored)
-            # One event per run of consecutive blocks: each names the parent of its first.
-            runs = [[stored[0]]]
-            for i in stored[1:]:
-                runs[-1].append(i) if i == runs[-1][-1] + 1 else runs.append([i])
-            for run in runs:
-                # vLLM's extra keys per block (with its hashes), for a router rebuilding them: the
-                # salt, on a first block.
-                extra = [(cache_salt,) if i == 0 and cache_salt else None for i in run]
-                self.kv_events.append(BlockStored(
-                    [names[i] for i in run], names[run[0] - 1] if run[0] else None,
-                    list(token_ids[run[0] * block_size:(run[-1] + 1) * block_size]), block_size, None, MEDIUM,
-                    None, extra if event_hashes is not None else None, 0))
+            self.kv_events += stored_events(names, None, token_ids, block_size, MEDIUM, stored,
+                                            event_extra_keys(0, len(names), cache_salt) if event_hashes is not None
+                                            else None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix held by free blocks (blocks in use keep theirs).

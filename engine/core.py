@@ -47,7 +47,7 @@ class EngineCoreProc:
         self.kv_events = (KVEventPublisher(config.kv_events_config, config.kv_secret)
                           if config.kv_events_config is not None else None)
         if self.kv_events is not None:
-            engine.kv_cache_manager.pool.kv_events = []  # collected per step, drained in step()
+            engine.enable_kv_events()  # collected per step, drained in step()
         self.prompt_tokens = 0
         self.generation_tokens = 0
 

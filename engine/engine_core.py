@@ -115,6 +115,7 @@ class EngineCore:
                             f"{KV_LAYOUT}")
         self.engine_id = uuid.uuid4().hex[:12]
         connector, connector_worker = None, NoOpConnectorWorker()
+        self._tiers = None  # (scheduler half, worker half) of the KV store tiers, if any
         if uses_p2p:
             port = transfer.kv_port if transfer.kv_role in ("kv_producer", "kv_both") else None
             if transfer.kv_role == "kv_producer" and port is None:
@@ -125,7 +126,7 @@ class EngineCore:
                                                   secret=config.kv_secret,
                                                   encrypt=bool(transfer.extra.get("encrypt", False)))
         if config.kv_store:
-            tiered, tiered_worker = self._tiered_connector(config, model_config, dtype)
+            tiered, tiered_worker = self._tiers = self._tiered_connector(config, model_config, dtype)
             if connector is None:
                 connector, connector_worker = tiered, tiered_worker
             else:  # P2P first; the tiers behind it (a decode falls back to them when a pull fails)
@@ -400,6 +401,8 @@ class EngineCore:
             if scheduler_output.total_num_scheduled_tokens:
                 self._failed_steps = self._isolated_failures = 0
             self._keep_connector_stats(runner_output.kv_connector_output.stats)
+            if self.kv_cache_manager.pool.kv_events is not None:
+                self.kv_cache_manager.pool.kv_events += runner_output.kv_connector_output.kv_events
             outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         for out in outputs:
             request_id = self._request_of.get(out.req_id)
@@ -471,6 +474,14 @@ class EngineCore:
         for tier, s in new.stores.items():
             s["load_seconds"] = (old.stores.get(tier, {}).get("load_seconds", []) + s["load_seconds"])[-MAX_KEPT_DURATIONS:]
         self.kv_connector_stats = new
+
+    def enable_kv_events(self) -> None:
+        """Collect KV events from now on: the pool's (medium GPU) and the CPU and disk tiers'."""
+        self.kv_cache_manager.pool.kv_events = []
+        if self._tiers is not None:
+            tiered, tiered_worker = self._tiers
+            tiered.describe_saves = True
+            tiered_worker.enable_events(self.config.block_size)
 
     def drain_kv_events(self) -> list:
         """Prefix-cache changes since the last call (engine/kv_events.py; empty when off)."""

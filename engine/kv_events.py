@@ -4,7 +4,7 @@ Each engine step that changed the prefix cache publishes one ``KVEventBatch`` on
 socket as three frames: topic, sequence number (8 bytes big-endian, from 0, +1 per batch) and
 the msgpack-encoded batch. ``BlockStored`` names blocks that entered the prefix cache (their
 chained hashes, in order, the parent of the first, their tokens), ``BlockRemoved`` blocks that
-left it, ``AllBlocksCleared`` everything (always the first batch a publisher sends: a subscriber
+left it (medium GPU; the CPU and disk tiers publish theirs too: kv_transfer/tier_events.py), ``AllBlocksCleared`` everything (always the first batch a publisher sends: a subscriber
 seeing it drops what it knew of this instance, e.g. after a restart). The hashes are those of
 engine/block_pool.py (SHA-256 chains from a root derived from the model fingerprint, so anyone
 with the tokens and the fingerprint computes the same ones), or with
@@ -43,8 +43,13 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Base of the events (tagged by class name, as vLLM's)."""
 
 
-# vLLM's name for an instance's own KV pool, whatever its device (a CPU engine's too).
+# Where the blocks an event names are. vLLM's name for an instance's own KV pool, whatever its
+# device (a CPU engine's too), and for its CPU offload tier; DISK for the local-disk tier. The
+# Redis tier publishes nothing: Redis evicts on its own and every instance on it can load its
+# entries, so no instance can say what it holds there.
 MEDIUM = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
 
 BlockHash = Union[bytes, int]  # the engine's 32-byte hashes, or vLLM's as 64-bit integers
 
@@ -62,6 +67,28 @@ class BlockStored(KVCacheEvent):
     # Per block, what vLLM's hash covers besides tokens: (cache_salt,) on a salted first block.
     extra_keys: list[tuple | None] | None = None
     group_idx: int | None = None  # the KV cache group (always 0: one group)
+
+
+def event_extra_keys(first_block: int, num_blocks: int, cache_salt: str | None) -> list[tuple | None]:
+    """vLLM's extra keys of blocks first_block.. of a request: (cache_salt,) on its first block."""
+    return [(cache_salt,) if first_block + i == 0 and cache_salt else None for i in range(num_blocks)]
+
+
+def stored_events(names: list, parent, token_ids: list[int], block_size: int, medium: str,
+                  selected: list[int], extra_keys: list | None = None) -> list[BlockStored]:
+    """BlockStored events for ``names[i]`` for i in ``selected`` (ascending): one per run of
+    consecutive blocks, each naming the parent of its first (``parent`` before ``names[0]``).
+    ``token_ids`` are the tokens of ``names``' blocks; ``extra_keys`` theirs (vLLM's hashes)."""
+    runs: list[list[int]] = []
+    for i in selected:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [BlockStored([names[i] for i in run], names[run[0] - 1] if run[0] else parent,
+                        list(token_ids[run[0] * block_size:(run[-1] + 1) * block_size]), block_size, None,
+                        medium, None, [extra_keys[i] for i in run] if extra_keys is not None else None, 0)
+            for run in runs]
 
 
 class BlockRemoved(KVCacheEvent):

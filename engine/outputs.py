@@ -73,6 +73,8 @@ class KVConnectorOutput:
     # from the first one asked, some tier holds; blocks of the longest trailing chunk found
     # after them, 0 if none). The worker pinned them for the request.
     lookups: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # What entered and left the CPU and disk tiers (KV events; kv_transfer/tier_events.py).
+    kv_events: list = field(default_factory=list)
     stats: KVConnectorStats | None = None  # filled by the model runner, after the above
 
 

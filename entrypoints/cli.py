@@ -311,7 +311,8 @@ def format_proxy_status(url: str, status: dict) -> str:
         lines.append(f"  decisions  {counts}")
     for index in status.get("kv_routing") or ():
         rate = index["predicted_hit_rate"]
-        lines.append(f"  kv index   {index['url']}  {index['index_blocks']} blocks  routed {index['routed']}  "
+        tiers = "".join(f" + {n} {medium}" for medium, n in index.get("tier_blocks", {}).items())
+        lines.append(f"  kv index   {index['url']}  {index['index_blocks']} blocks{tiers}  routed {index['routed']}  "
                      f"predicted hit rate {'-' if rate is None else f'{rate:.0%}'}  resyncs {index['resyncs']}")
     return "\n".join(lines)
 

@@ -42,6 +42,7 @@ import zmq.utils.monitor
 from engine.block_pool import BlockHasher
 from engine.kv_events import (
     END_OF_REPLAY,
+    MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -60,7 +61,10 @@ REPLAY_TIMEOUT_MS = 2000
 class InstanceIndex:
     """The block hashes one instance holds, as its events say."""
     url: str
-    hashes: set[bytes | int] = field(default_factory=set)
+    hashes: set[bytes | int] = field(default_factory=set)  # in the instance's pool (medium GPU)
+    # In its CPU and disk tiers, by medium: loading from there costs far less than a prefill,
+    # so a block held in any medium counts as cached.
+    tiers: dict[str, set] = field(default_factory=dict)
     publishing: bool = False  # the instance advertises KV events and they are followed
     last_seq: int = -1
     resyncs: int = 0  # times the index was dropped (restart, or a gap the replay could not fill)
@@ -74,22 +78,27 @@ class InstanceIndex:
             for event in batch.events:
                 if isinstance(event, AllBlocksCleared):
                     self.hashes.clear()
+                    self.tiers.clear()
                 elif isinstance(event, BlockStored):
-                    self.hashes.update(event.block_hashes)
+                    self._held(event.medium).update(event.block_hashes)
                 elif isinstance(event, BlockRemoved):
-                    self.hashes.difference_update(event.block_hashes)
+                    self._held(event.medium).difference_update(event.block_hashes)
             self.last_seq = seq
+
+    def _held(self, medium: str | None) -> set:
+        return self.hashes if medium in (None, MEDIUM) else self.tiers.setdefault(medium, set())
 
     def reset(self) -> None:
         with self.lock:
             self.hashes.clear()
+            self.tiers.clear()
             self.resyncs += 1
 
     def prefix_blocks(self, hashes: list[bytes]) -> int:
         with self.lock:
             n = 0
             for h in hashes:
-                if h not in self.hashes:
+                if h not in self.hashes and not any(h in held for held in self.tiers.values()):
                     break
                 n += 1
             return n
@@ -333,7 +342,8 @@ class KVRouter:
             index.predicted_hits += hit
 
     def status(self) -> list[dict]:
-        return [{"url": i.url, "kv_events": i.publishing, "index_blocks": len(i.hashes), "last_seq": i.last_seq,
+        return [{"url": i.url, "kv_events": i.publishing, "index_blocks": len(i.hashes),
+                 "tier_blocks": {medium: len(held) for medium, held in i.tiers.items()}, "last_seq": i.last_seq,
                  "resyncs": i.resyncs,
                  "routed": i.routed, "prompt_tokens": i.prompt_tokens, "predicted_hits": i.predicted_hits,
                  "predicted_hit_rate": round(i.predicted_hits / i.prompt_tokens, 4)

@@ -225,9 +225,15 @@ class _BlockStored020(_KVCacheEvent, tag="BlockStored"):
     group_idx: Optional[int] = None
 
 
+class _BlockRemoved020(_KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: Optional[str]
+    group_idx: Optional[int] = None
+
+
 class _KVEventBatch020(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[Union[_BlockStored020, _BlockRemoved, _AllBlocksCleared]]
+    events: list[Union[_BlockStored020, _BlockRemoved020, _AllBlocksCleared]]
     data_parallel_rank: Optional[int] = None
 
 

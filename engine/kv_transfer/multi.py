@@ -136,6 +136,7 @@ class MultiConnectorWorker(KVConnectorWorker):
             merged.failed_recving |= out.failed_recving
             merged.failure_reasons.update(out.failure_reasons)
             merged.lookups.update(out.lookups)
+            merged.kv_events += out.kv_events
         return merged
 
     def shutdown(self) -> None:

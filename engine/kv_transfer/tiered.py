@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_transfer.base import KVConnectorScheduler
+from engine.kv_events import event_extra_keys
 from engine.kv_transfer.params import KVTransferParams, token_digest
+from engine.kv_transfer.tier_events import ChunkNames
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -62,6 +64,7 @@ class TierLoad:
 class TierSave:
     key: str
     block_ids: list[int]  # the chunk's blocks, in order
+    names: ChunkNames | None = None  # what KV events call its blocks (only with events on)
 
 
 @dataclass(slots=True)
@@ -117,6 +120,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = chunk_tokens // block_size
+        self.describe_saves = False  # KV events are on: saves carry their blocks' names
         self.lookup_timeouts = 0  # lookups that became misses because no answer came in time
         self._meta = TieredMetadata()
         self._requests: dict[str, Request] = {}
@@ -260,8 +264,9 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             full = (request.num_computed_tokens + n) // self.chunk_tokens
             blocks = self.block_ids_of(req_id)
             for c in range(self._saved.get(req_id, 0), full):
-                self._meta.saves.append(TierSave(
-                    self._key(request, c), blocks[c * self.blocks_per_chunk:(c + 1) * self.blocks_per_chunk]))
+                start, end = c * self.blocks_per_chunk, (c + 1) * self.blocks_per_chunk
+                self._meta.saves.append(TierSave(self._key(request, c), blocks[start:end],
+                                                 self._names(request, start, end)))
             self._saved[req_id] = max(self._saved.get(req_id, 0), full)
             # The prompt's trailing chunk, once, in the step that completes its whole blocks.
             prompt_blocks = request.num_prompt_tokens // self.block_size
@@ -269,7 +274,16 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             if (tail_start < prompt_blocks and request.num_computed_tokens < prompt_blocks * self.block_size
                     <= request.num_computed_tokens + n):
                 self._meta.saves.append(TierSave(self._block_key(request, prompt_blocks),
-                                                 blocks[tail_start:prompt_blocks]))
+                                                 blocks[tail_start:prompt_blocks],
+                                                 self._names(request, tail_start, prompt_blocks)))
+
+    def _names(self, request: Request, start: int, end: int) -> ChunkNames | None:
+        """What the KV events call blocks [start, end) of the request: the pool's names for them."""
+        if not self.describe_saves:
+            return None
+        names = request.event_block_hashes or request.block_hashes
+        extra = event_extra_keys(start, end - start, request.cache_salt) if request.event_block_hashes else None
+        return ChunkNames(tuple(names[start:end]), names[start - 1] if start else None, extra)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         req_id = request.request_id

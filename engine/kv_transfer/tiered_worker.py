@@ -30,6 +30,7 @@ import torch
 
 from engine.kv_transfer.base import KVConnectorWorker, LoadBook, contiguous_runs, queued
 from engine.kv_transfer.stores.base import KVStore
+from engine.kv_transfer.tier_events import TierEvents
 from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
 from engine.outputs import KVConnectorOutput, KVConnectorStats
 
@@ -119,7 +120,7 @@ class TieredConnectorWorker(KVConnectorWorker):
         self._lock = threading.Lock()
         self.loads = LoadBook()
         self._loads: queue.Queue[TierLoad] = queue.Queue()
-        self._saves: queue.Queue[tuple[str, torch.Tensor]] = queue.Queue()
+        self._saves: queue.Queue[tuple[str, torch.Tensor, bool]] = queue.Queue()  # key, KV, described
         self._lookup_jobs: queue.Queue[_LookupJob | _UnpinJob] = queue.Queue()
         self._pending_save_bytes = 0
         self.skipped_saves = 0
@@ -142,6 +143,12 @@ class TieredConnectorWorker(KVConnectorWorker):
         # A slow tier's used_bytes may be a network call (Redis INFO): the saver refreshes it.
         self._slow_used: dict[str, int] = {s.name: 0 for s in self._slow_tiers}
         self._slow_used_at = 0.0
+        self.events: TierEvents | None = None  # the CPU and disk tiers' KV events, when on
+
+    def enable_events(self, block_size: int) -> None:
+        """Publish what enters and leaves the CPU and disk tiers (tier_events.py)."""
+        self.events = TierEvents(self.tiers.stores, block_size)
+        self._published_slow = sum(s.medium is not None for s in self._slow_tiers)
 
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
         self.kv = kv_caches  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -185,8 +192,13 @@ class TieredConnectorWorker(KVConnectorWorker):
             # A copy now, while the blocks surely hold this chunk; everything slower happens later.
             index = torch.tensor(save.block_ids, dtype=torch.int64, device=self.kv.device)
             chunk = self.kv.index_select(2, index).cpu()
+            events = self.events if save.names is not None else None
             if self._cpu_tier is not None:
+                if events is not None:
+                    events.expect(save.key, save.names, 1)
                 self._cpu_tier.put(save.key, chunk)  # in memory; its lock is never held across I/O
+                if events is not None:
+                    events.put_done(save.key)
             if not self._slow_tiers:
                 continue
             nbytes = chunk.numel() * chunk.element_size()
@@ -195,14 +207,16 @@ class TieredConnectorWorker(KVConnectorWorker):
                     self.skipped_saves += 1  # the slow tiers cannot keep up: skip, never block
                     continue
                 self._pending_save_bytes += nbytes
-            self._saves.put((save.key, chunk))
+            if events is not None:
+                events.expect(save.key, save.names, self._published_slow)
+            self._saves.put((save.key, chunk, events is not None))
 
     def get_finished(self) -> KVConnectorOutput:
         done, failed = self.loads.take()
         with self._lock:
             answers, self._answers = self._answers, {}
         return KVConnectorOutput(finished_recving=done, failed_recving=set(failed), failure_reasons=failed,
-                                 lookups=answers)
+                                 lookups=answers, kv_events=self.events.drain() if self.events else [])
 
     def stats(self, read_used_bytes: bool = True) -> KVConnectorStats:
         """Never waits on a store: a slow tier's used_bytes is the saver's last reading (0 for
@@ -318,7 +332,7 @@ class TieredConnectorWorker(KVConnectorWorker):
         while not self._stop.is_set():
             self._refresh_slow_used()
             try:
-                key, chunk = self._saves.get(timeout=0.1)
+                key, chunk, described = self._saves.get(timeout=0.1)
             except queue.Empty:
                 continue
             try:
@@ -327,6 +341,8 @@ class TieredConnectorWorker(KVConnectorWorker):
             except Exception:  # a store bug must not kill the saver: log and go on
                 logger.exception("KV store write of %s failed", key)
             finally:
+                if described:
+                    self.events.put_done(key, self._published_slow)
                 with self._lock:
                     self._pending_save_bytes -= chunk.numel() * chunk.element_size()
 

@@ -55,6 +55,7 @@ class StoreStats:
 
 class KVStore(ABC):
     name: str
+    medium: str | None = None  # what its KV events call it (None: it publishes none; kv_events.py)
 
     def __init__(self, fmt: ChunkFormat) -> None:
         self.fmt = fmt
@@ -114,6 +115,21 @@ class EvictingStore(KVStore):
         super().__init__(fmt)
         self._lock = threading.Lock()
         self._pins: collections.Counter[str] = collections.Counter()
+        # What this process put in and what left, in order (key, True for in), for the tier's KV
+        # events (tier_events.py); None while nobody reads it, so nothing piles up.
+        self.journal: list[tuple[str, bool]] | None = None
+
+    def _log(self, key: str, stored: bool) -> None:
+        """Under ``_lock``, so the journal's order is the index's."""
+        if self.journal is not None:
+            self.journal.append((key, stored))
+
+    def take_journal(self) -> list[tuple[str, bool]]:
+        with self._lock:
+            entries = self.journal or []
+            if self.journal is not None:
+                self.journal = []
+        return entries
 
     def pin(self, keys: list[str]) -> None:
         with self._lock:

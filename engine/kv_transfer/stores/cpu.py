@@ -5,11 +5,13 @@ import collections
 
 import torch
 
+from engine.kv_events import MEDIUM_CPU
 from engine.kv_transfer.stores.base import ChunkFormat, EvictingStore
 
 
 class CPUStore(EvictingStore):
     name = "cpu"
+    medium = MEDIUM_CPU
 
     def __init__(self, capacity_bytes: int, fmt: ChunkFormat) -> None:
         super().__init__(fmt)
@@ -35,15 +37,18 @@ class CPUStore(EvictingStore):
         with self._lock:
             if key in self._chunks:
                 self._chunks.move_to_end(key)
+                self._log(key, True)
                 return
             for victim in [k for k in self._chunks if not self._pins[k]]:
                 if self._used + nbytes <= self.capacity:
                     break
                 self._used -= self._chunks.pop(victim).numel() * kv.element_size()
+                self._log(victim, False)
             if self._used + nbytes > self.capacity:
                 return  # everything left is pinned by loads in flight
             self._chunks[key] = kv
             self._used += nbytes
+            self._log(key, True)
         self.count(bytes_stored=nbytes)
 
     def used_bytes(self) -> int:

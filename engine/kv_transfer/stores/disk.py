@@ -20,6 +20,7 @@ import torch
 
 from engine.kv_transfer import serde
 from engine.kv_transfer.secret import KVSecret
+from engine.kv_events import MEDIUM_DISK
 from engine.kv_transfer.stores.base import ChunkFormat, EvictingStore
 
 logger = logging.getLogger("engine.kv_store")
@@ -28,6 +29,7 @@ SUFFIX = ".kv"
 
 class DiskStore(EvictingStore):
     name = "disk"
+    medium = MEDIUM_DISK
 
     def __init__(self, path: str, capacity_bytes: int, fmt: ChunkFormat, secret: KVSecret | None = None) -> None:
         super().__init__(fmt)
@@ -120,6 +122,7 @@ class DiskStore(EvictingStore):
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
+                self._log(key, True)
                 return
         buffers = serde.encode(kv, self.fmt.fingerprint, self.fmt.shape[2] * self.fmt.shape[3], key, self.secret)
         size = sum(memoryview(b).nbytes for b in buffers)
@@ -141,6 +144,7 @@ class DiskStore(EvictingStore):
         with self._lock:
             self._used += size - self._index.get(key, 0)  # contains() may have found the file already
             self._index[key] = size
+            self._log(key, True)
         self._evict()
         self.count(bytes_stored=size)
 
@@ -154,6 +158,7 @@ class DiskStore(EvictingStore):
                 if self._pins[key]:
                     continue
                 self._used -= self._index.pop(key)
+                self._log(key, False)
                 with contextlib.suppress(OSError):
                     os.unlink(self._file(key))
 
@@ -162,6 +167,7 @@ class DiskStore(EvictingStore):
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
+                self._log(key, False)
         if unlink:
             with contextlib.suppress(OSError):
                 os.unlink(self._file(key))
