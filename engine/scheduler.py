@@ -85,6 +85,7 @@ class Scheduler:
             return
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.connector.request_queued(request)
         logger.debug("request %s: WAITING (%d prompt tokens, max_tokens %d)", request.request_id,
                      request.num_prompt_tokens, request.max_tokens)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import time
@@ -64,7 +63,27 @@ STATUS_POLL_S = 3.0  # how often kv-aware routing re-reads each instance's /stat
 @dataclass
 class Upstream:
     url: str
-    in_flight: int = 0
+    in_flight: int = 0  # this proxy's requests open there
+    # Hand-offs whose KV this prefill instance holds for this proxy: it answered, and no decode
+    # instance has taken the KV yet (nor was it released). They fill its pool as the requests
+    # did, so they count in its load like them.
+    held: int = 0
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.held
+
+    def hold(self):
+        """Counts one hand-off in ``held`` until the returned callable runs (once)."""
+        self.held += 1
+        done = False
+
+        def taken() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.held -= 1
+        return taken
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,7 @@ class Proxy:
         """Candidates in the order to try them: least loaded first (ties round robin)."""
         start = next(self._rr) % len(pool)
         rotated = pool[start:] + pool[:start]
-        return rotated if self.policy == "round-robin" else sorted(rotated, key=lambda u: u.in_flight)
+        return rotated if self.policy == "round-robin" else sorted(rotated, key=lambda u: u.load)
 
     def pick(self, pool: list[Upstream], prompt: PromptBlocks | None) -> Upstream:
         """Where to serve: with kv-aware routing the instance holding most of the prompt,
@@ -266,7 +285,7 @@ class Proxy:
                     self._decided("local", "short_prompt", request_id)
                 return answer
             # Declined (nothing was queued there): a long prompt.
-            if min(u.in_flight for u in self.prefills) >= self.disagg.max_prefill_queue:
+            if min(u.load for u in self.prefills) >= self.disagg.max_prefill_queue:
                 self._decided("local", "prefill_busy", request_id)
                 return await self._local_or_502(raw, path, body, headers, prompt)
             reason = "long_prompt"
@@ -284,7 +303,9 @@ class Proxy:
         logger.info("%s prefilled in %.3fs", request_id, time.monotonic() - started)
         params = answer.pop("kv_transfer_params")
         first = FirstTokens(answer, chat=path.endswith("chat/completions"))
+        taken = prefilled_on.hold()  # until D has the KV, or it is released
         if first.final:  # every sequence ended with its first token: P's answer is the answer
+            taken()
             self.release(prefilled_on, params, headers)  # P keeps it on offer for vLLM's routers
             if body.get("stream"):
                 include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
@@ -294,12 +315,18 @@ class Proxy:
             return JSONResponse(answer, headers={"X-Request-Id": request_id})
         d_body = {**body, "kv_transfer_params": params}
         upstream = self.pick(self.decodes, prompt)
-        unused = functools.partial(self.release, prefilled_on, params, headers)  # D never took the hand-off
+
+        def unused() -> None:  # D never took the hand-off
+            taken()
+            self.release(prefilled_on, params, headers)
         if body.get("stream"):
             # The client has the first tokens: D's stream goes on after them.
             headers = {**headers, FIRST_TOKENS_SHOWN: "1"}
-            return await self._stream_decode(upstream, path, d_body, headers, request_id, first, unused)
-        answer = await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
+            return await self._stream_decode(upstream, path, d_body, headers, request_id, first, unused, taken)
+        try:
+            answer = await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
+        finally:
+            taken()  # D answered (it pulled the KV first), or failed: released below
         answer = answer.response if isinstance(answer, _Unreachable) else answer
         if answer is None or answer.status_code != 200:
             unused()
@@ -398,7 +425,7 @@ class Proxy:
             await opened.close()
 
     async def _stream_decode(self, upstream: Upstream, path: str, body: dict, headers: dict,
-                             request_id: str, first: "FirstTokens", unused) -> Response:
+                             request_id: str, first: "FirstTokens", unused, taken) -> Response:
         async def relay():
             opened = None
             try:
@@ -416,8 +443,10 @@ class Proxy:
                 return
             try:
                 async for event in self._relay(opened, skip_role=first.chat):
+                    taken()  # D computed a token: it has the KV
                     yield event
             finally:
+                taken()
                 await opened.close()
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
@@ -629,7 +658,7 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
                            "max_prefill_queue": proxy.disagg.max_prefill_queue,
                            "decisions": [{"path": p, "reason": r, "count": n}
                                          for (p, r), n in sorted(proxy.decisions.items())]},
-                "prefill": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.prefills],
+                "prefill": [{"url": u.url, "in_flight": u.in_flight, "held": u.held} for u in proxy.prefills],
                 "decode": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.decodes],
                 "kv_routing": proxy.router.status() if proxy.router is not None else None}
 

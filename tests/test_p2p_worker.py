@@ -453,3 +453,45 @@ def test_an_undecodable_message_from_an_authenticated_peer_is_dropped(producer):
     finally:
         peer.close()
         ctx.destroy(linger=0)
+
+
+def test_renewals_keep_kv_for_a_queued_consumer_up_to_the_hold_limit(producer, monkeypatch):
+    """An offer's lease restarts with each renewal for its tokens (a decode instance's queue
+    renews it): renewed offers outlive several leases and are pulled whole; an offer renewed
+    for other tokens, or not at all, ends with its lease; and renewals stop counting at
+    MAX_LEASES_HELD leases from the offer."""
+    import engine.kv_transfer.p2p_producer as p2p_producer
+    from engine.kv_transfer.p2p import RenewSpec
+
+    monkeypatch.setattr(p2p_producer, "MAX_LEASES_HELD", 6)
+    consumer = _consumer()
+    addr = f"tcp://127.0.0.1:{producer.port}"
+    finished = _Finished(producer)
+    lease = 0.5
+    try:
+        start = time.monotonic()
+        producer.save_kv(P2PMetadata(sends=[
+            SendSpec(rid, blocks, 4 * len(blocks), 0.0, "tokens", None, lease)
+            for rid, blocks in (("kept", [0, 1]), ("capped", [2, 3]), ("lapsed", [4, 5]), ("misnamed", [6, 7]))]))
+        renewals = [RenewSpec(addr, "kept", "tokens"), RenewSpec(addr, "capped", "tokens"),
+                    RenewSpec(addr, "misnamed", "other tokens")]
+        while time.monotonic() - start < 2.0:  # four leases
+            consumer.start_load_kv(P2PMetadata(renewals=renewals))
+            time.sleep(0.1)
+            finished.sent |= producer.get_finished().finished_sending
+        assert {"lapsed", "misnamed"} <= finished.sent and not {"kept", "capped"} & finished.sent
+        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec("kept", addr, "kept", 0, [10, 11],
+                                                            time.monotonic() + 10, "tokens")]))
+        out = _load_result(consumer)
+        assert out.finished_recving == {"kept"}, out.failure_reasons
+        assert torch.equal(consumer.kv[:, :, 10:12], producer.kv[:, :, 0:2])
+        # Renewed on and on: it ends at six leases (3 s) from the offer all the same.
+        while "capped" not in finished.sent:
+            assert time.monotonic() - start < 3.0 + 2.0, "renewals held an offer past MAX_LEASES_HELD"
+            consumer.start_load_kv(P2PMetadata(renewals=renewals[1:2]))
+            time.sleep(0.1)
+            finished.sent |= producer.get_finished().finished_sending
+        assert time.monotonic() - start >= 3.0 - 0.1
+        assert producer.counters["lease_renewals"] > 10
+    finally:
+        consumer.shutdown()

@@ -104,6 +104,9 @@ class KVConnectorScheduler(ABC):
         Must not do I/O, and must have no side effects the scheduler relies on: the
         allocation may still fail."""
 
+    def request_queued(self, request: Request) -> None:
+        """A request joined the waiting queue (before any get_num_new_matched_tokens for it)."""
+
     @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:

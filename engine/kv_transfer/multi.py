@@ -92,6 +92,10 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def withdraw(self, req_id: str) -> bool:
         return any([c.withdraw(req_id) for c in self.connectors])
 
+    def request_queued(self, request: Request) -> None:
+        for connector in self.connectors:
+            connector.request_queued(request)
+
     def release_peer(self, params: KVTransferParams) -> bool:
         return any([c.release_peer(params) for c in self.connectors])
 

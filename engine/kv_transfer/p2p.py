@@ -32,7 +32,7 @@ import msgspec
 from engine.config import KVTransferConfig
 from engine.ipc import remove_stale_socket
 from engine.kv_transfer.base import KVConnectorScheduler
-from engine.kv_transfer.params import MAX_BLOCK_IDS, KVTransferParams, token_digest
+from engine.kv_transfer.params import CLOCK_SKEW_S, MAX_BLOCK_IDS, KVTransferParams, token_digest
 from engine.outputs import SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -59,6 +59,13 @@ def remove_stale_kv_sockets() -> None:
         remove_stale_socket(path)
 
 DEFAULT_LEASE_S = 30.0
+# A consumer renews the lease of KV it will pull for a request still queued there three times
+# per lease (the producer's: its parameters expire with it), at most every RENEW_EVERY_S; a
+# producer holds an offer at most MAX_LEASES_HELD leases from its start however often it is
+# renewed (a decode that never gets to it cannot pin it).
+RENEW_EVERY_S = 5.0
+MIN_RENEW_EVERY_S = 0.1
+MAX_LEASES_HELD = 10
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 
 
@@ -72,6 +79,10 @@ class SendSpec:
     token_digest: str  # of the tokens this KV was computed for: a pull must name the same ones
     # Test hook (only with ENGINE_ALLOW_KV_FAULTS=1): damage this transfer on purpose.
     fault: str | None = None
+    # The lease's length: with it, the lease starts over when the offer is made (after the
+    # forward pass, as the answer goes out) and each renewal restarts it, up to hold_until.
+    lease_s: float = 0.0
+    hold_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -96,11 +107,20 @@ class ReleaseSpec:
 
 
 @dataclass(slots=True)
+class RenewSpec:
+    """Consumer side: KV the peer holds for a request still queued here; its lease restarts."""
+    remote_addr: str
+    remote_request_id: str
+    token_digest: str
+
+
+@dataclass(slots=True)
 class P2PMetadata:
     sends: list[SendSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
+    renewals: list[RenewSpec] = field(default_factory=list)
     withdrawals: list[str] = field(default_factory=list)  # offers (sends) nobody may pull any more
 
 
@@ -117,6 +137,9 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._meta = P2PMetadata()
         self._loading: set[str] = set()   # consumer requests whose load is in flight
         self._consumed: set[str] = set()  # remote KV already used or given up on: never pulled twice
+        # Queued consumer requests whose peer holds their KV: (renewal, every, next due), until
+        # admitted or ended.
+        self._queued: dict[str, tuple[RenewSpec, float, float]] = {}
         self._producing: dict[str, Request] = {}  # producer requests whose KV is not on offer yet
         # Producer requests whose KV is on offer (or being withdrawn) -> the digest of its tokens.
         self._offered: dict[str, str] = {}
@@ -128,6 +151,20 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         if params is None or not params.do_remote_prefill or request.request_id in self._consumed:
             return None
         return params
+
+    def request_queued(self, request: Request) -> None:
+        params = self._remote(request)
+        if params is not None:
+            # However long it queues here, the peer keeps its KV (up to MAX_LEASES_HELD leases):
+            # this instance's queueing never turns into a recompute.
+            release = self._release(request, params)
+            # The parameters expire with the producer's lease, plus the clock skew they allow.
+            lease_left = (params.expires_at - CLOCK_SKEW_S - time.time() if params.expires_at
+                          else 3 * RENEW_EVERY_S)
+            every = min(max(lease_left / 3, MIN_RENEW_EVERY_S), RENEW_EVERY_S)
+            self._queued[request.request_id] = (
+                RenewSpec(release.remote_addr, release.remote_request_id, release.token_digest), every,
+                time.monotonic() + every)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = self._remote(request)
@@ -146,6 +183,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         params = self._remote(request)
         if params is None:
             return
+        self._queued.pop(request.request_id, None)
         self._consumed.add(request.request_id)
         if num_external_tokens == 0:
             # The local prefix cache already had everything: let the peer free its copy now.
@@ -196,7 +234,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         fault = params.inject_fault if os.environ.get("ENGINE_ALLOW_KV_FAULTS") == "1" else None
         digest = self._offered[request.request_id] = token_digest(request.prompt_token_ids)
         self._meta.sends.append(SendSpec(request.request_id, self.block_ids_of(request.request_id)[:num_blocks],
-                                         num_tokens, time.monotonic() + self.lease_s, digest, fault))
+                                         num_tokens, time.monotonic() + self.lease_s, digest, fault, self.lease_s))
 
     def withdraw(self, req_id: str) -> bool:
         if req_id not in self._offered:
@@ -212,6 +250,11 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             if request is not None and request.num_computed_tokens + n >= request.num_prompt_tokens:
                 del self._producing[req_id]
                 self._offer(request)
+        now = time.monotonic()
+        for req_id, (renewal, every, due) in self._queued.items():
+            if now >= due:
+                self._meta.renewals.append(renewal)
+                self._queued[req_id] = (renewal, every, now + every)
         meta, self._meta = self._meta, P2PMetadata()
         return meta
 
@@ -225,6 +268,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         if remote is not None:
             self._meta.releases.append(self._release(request, remote))
         self._consumed.discard(req_id)
+        self._queued.pop(req_id, None)
         self._producing.pop(req_id, None)
         if req_id in self._loading:
             # Aborted while its KV is still arriving: keep the blocks until the worker confirms
@@ -252,7 +296,8 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         return True, params
 
     def num_tracked_requests(self) -> int:
-        return len(self._loading) + len(self._consumed) + len(self._producing) + len(self._offered)
+        return (len(self._loading) + len(self._consumed) + len(self._queued) + len(self._producing)
+                + len(self._offered))
 
     def transfer_done(self, req_id: str, failed: bool = False) -> None:
         self._loading.discard(req_id)

@@ -34,10 +34,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.kv_transfer.base import LoadBook, contiguous_runs, queued
-from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec
+from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec, RenewSpec
 from engine.kv_transfer.p2p_wire import (
     FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, Auth, Challenge, Chunk, ChunkLayout, Hello, HelloReply, Pull,
-    Refused, Release, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage, curve_keys, decode, encode, proof,
+    Refused, Release, Renew, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage, curve_keys, decode, encode, proof,
     proof_ok,
 )
 from engine.kv_transfer.secret import KVSecret
@@ -95,8 +95,8 @@ class P2PConsumer:
         self.loads.submit([spec.req_id for spec in metadata.loads], metadata.cancels)
         for spec in metadata.loads:
             self._jobs.put(spec)
-        for release in metadata.releases:
-            self._jobs.put(release)
+        for message in (*metadata.releases, *metadata.renewals):
+            self._jobs.put(message)
 
     def take_finished(self) -> tuple[set[str], dict[str, str]]:
         """(loads done, loads failed with their reason) since the last call."""
@@ -112,14 +112,15 @@ class P2PConsumer:
         peers: dict[str, Peer] = {}
         try:
             for job in queued(self._jobs, self._stop):
-                if isinstance(job, ReleaseSpec):  # fire and forget, the lease is the backstop
+                if isinstance(job, (ReleaseSpec, RenewSpec)):  # fire and forget, the lease is the backstop
                     addr = job.remote_addr
                     if addr not in peers:
                         peer, error = self._connect(addr, time.monotonic() + 5)
                         if peer is None:
                             continue
                         peers[addr] = peer
-                    peers[addr].send(Release(job.remote_request_id, job.token_digest))
+                    kind = Release if isinstance(job, ReleaseSpec) else Renew
+                    peers[addr].send(kind(job.remote_request_id, job.token_digest))
                     continue
                 error = self._load(job, peers)
                 if error is not None:

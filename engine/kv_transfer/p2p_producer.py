@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from engine.kv_transfer.p2p import SendSpec, ipc_path, remove_stale_kv_sockets
+from engine.kv_transfer.p2p import MAX_LEASES_HELD, SendSpec, ipc_path, remove_stale_kv_sockets
 from engine.kv_transfer.p2p_wire import (
     DEFAULT_CHUNK_BYTES, FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, PROTOCOL_VERSION, Auth, Challenge, Chunk,
-    ChunkLayout, Hello, HelloReply, Pull, Refused, Release, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage,
+    ChunkLayout, Hello, HelloReply, Pull, Refused, Release, Renew, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage,
     _inject_fault, curve_keys, decode, encode, fault_delay, proof, proof_ok,
 )
 from engine.kv_transfer.secret import KVSecret
@@ -142,9 +142,14 @@ class P2PProducer:
             raise RuntimeError(f"KV server cannot bind port {self.port}: {self._bind_error}")
 
     def offer(self, sends: list[SendSpec]) -> None:
-        """``insert`` into the lookup buffer."""
+        """``insert`` into the lookup buffer. The lease starts now (the step's answer goes out
+        next), not when the step was planned."""
+        now = time.monotonic()
         with self._lock:
             for spec in sends:
+                if spec.lease_s > 0:
+                    spec.lease_deadline = now + spec.lease_s
+                    spec.hold_until = now + spec.lease_s * MAX_LEASES_HELD
                 self._buffer[spec.req_id] = spec
 
     def withdraw(self, req_ids: list[str]) -> None:
@@ -249,7 +254,7 @@ class P2PProducer:
             if session is not None and session.check(frames[1], frames[2]):
                 self._sessions.move_to_end(identity)
                 msg = decode(frames[1])
-                if isinstance(msg, (Pull, Release, ShmDone)):
+                if isinstance(msg, (Pull, Release, Renew, ShmDone)):
                     return msg
                 with self._lock:  # an authenticated peer's bug, not an attack: dropped as before
                     self.stats["dropped_messages"] += 1
@@ -305,7 +310,7 @@ class P2PProducer:
             pass
 
     # ---- requests of authenticated peers (serve thread) ----------------------------------------
-    def _handle(self, identity: bytes, msg: Pull | Release | ShmDone) -> None:
+    def _handle(self, identity: bytes, msg: Pull | Release | Renew | ShmDone) -> None:
         if isinstance(msg, Pull):
             self._serve_pull(identity, msg)
         elif isinstance(msg, ShmDone):
@@ -323,6 +328,13 @@ class P2PProducer:
                 if entry is not None and entry.token_digest == msg.token_digest:
                     del self._buffer[msg.request_id]
                     self._done_sending.add(msg.request_id)
+        elif isinstance(msg, Renew):
+            with self._lock:  # only for the tokens it holds, and never past hold_until
+                entry = self._buffer.get(msg.request_id)
+                if entry is not None and entry.token_digest == msg.token_digest and entry.lease_s > 0:
+                    entry.lease_deadline = max(entry.lease_deadline,
+                                               min(time.monotonic() + entry.lease_s, entry.hold_until))
+                    self.stats["lease_renewals"] += 1
 
     def _select(self, pull: Pull) -> SendSpec | str:
         """drop_select: the entry leaves the buffer as it is selected, but only by a pull for

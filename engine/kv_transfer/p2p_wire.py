@@ -108,6 +108,13 @@ class Release(msgspec.Struct, tag="release"):
     token_digest: str = ""
 
 
+class Renew(msgspec.Struct, tag="renew"):
+    """The consumer still wants this KV (its request is queued there): the lease restarts. A
+    producer of an earlier release drops it as a malformed message (the lease still ends)."""
+    request_id: str
+    token_digest: str = ""
+
+
 class Chunk(msgspec.Struct, tag="chunk"):
     transfer_id: str
     status: str  # "ok" | "not_found" | "mismatch" (held for other tokens) | "error"
@@ -122,7 +129,7 @@ class Chunk(msgspec.Struct, tag="chunk"):
     crc32: int = 0
 
 
-WireMessage = Hello | Challenge | Auth | Refused | HelloReply | Pull | Release | Chunk | ShmGrant | ShmDone | ShmAck
+WireMessage = Hello | Challenge | Auth | Refused | HelloReply | Pull | Release | Renew | Chunk | ShmGrant | ShmDone | ShmAck
 
 _decoder = msgspec.msgpack.Decoder(WireMessage)
 encode = msgspec.msgpack.encode

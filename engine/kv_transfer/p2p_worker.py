@@ -67,7 +67,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # guards stats and each side's hand-over state
         self.counters = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}, "shm_loads": 0,
-                      "dropped_messages": 0, "dropped_replies": 0, "abandoned_sends": 0,
+                      "dropped_messages": 0, "lease_renewals": 0, "dropped_replies": 0, "abandoned_sends": 0,
                       "auth_failures": {}}  # the producer's refusals by reason: see auth_failures()
         self.producer = None if port is None else P2PProducer(
             self._ctx, self._lock, self.counters, engine_id, fingerprint, bind_ip, port, chunk_bytes, secret, encrypt)
