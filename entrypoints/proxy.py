@@ -214,15 +214,18 @@ class Proxy:
 
     async def prefill(self, path: str, body: dict, headers: dict) -> tuple[dict, Upstream] | JSONResponse | None:
         """Run the prompt on a prefill instance; returns its answer (with kv_transfer_params) and
-        the instance, an error, or None when no prefill instance could be reached."""
+        the instance, an error, or None when no prefill instance could be reached. One that is
+        down, or dies before it answers (the connection drops), is replaced by the next: nothing
+        reached the client, and what it computed died with it. A timeout is not retried (the
+        next instance would likely take as long)."""
         p_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         p_body.pop("stream_options", None)
         for upstream in self.ordered(self.prefills):
             upstream.in_flight += 1
             try:
                 resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
-            except httpx.ConnectError as exc:  # down: try the next prefill instance
-                logger.warning("prefill %s unreachable: %s", upstream.url, exc)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                logger.warning("prefill %s unreachable or gone mid-request: %s", upstream.url, exc)
                 continue
             except httpx.HTTPError as exc:
                 return self._upstream_error("prefill", upstream, exc)

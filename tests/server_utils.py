@@ -88,12 +88,14 @@ class ServerProcess:
         return HTTP.get(f"{self.url}/status", timeout=5).json()
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
-        """Until nothing runs or waits and every KV block is free (cached ones count as free)."""
+        """Until nothing runs or waits, every KV block is free (cached ones count as free) and the
+        engine holds no per-request state anywhere (scheduler, connectors, front end)."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()
-            busy = status["requests"]["running"] + status["requests"]["waiting"] + status["kv_blocks"]["in_use"]
-            if busy == 0 and status["requests"]["in_flight_http"] == 0:
+            requests = status["requests"]
+            busy = requests["running"] + requests["waiting"] + status["kv_blocks"]["in_use"]
+            if busy == 0 and requests["in_flight_http"] == 0 and requests["tracked_by_engine"] == 0:
                 return status
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle after {timeout}s: {status}")

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.core_lending import CoreBorrower, CoreLender
 from engine.cpu_placement import (
     MAX_CORE_ID,
+    apply_placement,
     available_cores,
     parse_cores,
     physical_cores,
@@ -98,7 +99,33 @@ def test_a_pinned_server_runs_every_engine_thread_on_its_core(tiny_llama):
 
 def test_lender_and_borrower_agree_through_the_file(tmp_path, monkeypatch):
     placed = []
-    monkeypatch.setattr(core_lending, "apply_placement", lambda cores, threads, quiet: placed.append(cores))
+    everything = os.sched_getaffinity(0)
+
+    def place(cores, threads, quiet):
+        """The real placement, recorded: every thread of this process ends up on ``cores``."""
+        apply_placement(cores, threads, quiet)
+        assert _affinities() == {frozenset(cores)}
+        placed.append(cores)
+
+    monkeypatch.setattr(core_lending, "apply_placement", place)
+    try:
+        _lend_and_borrow(tmp_path, placed)
+    finally:
+        apply_placement(sorted(everything), None, quiet=True)  # this test process, as it was
+
+
+def _affinities() -> set[frozenset]:
+    """The distinct core sets of this process's threads (one that ends meanwhile is skipped)."""
+    sets = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            sets.add(frozenset(os.sched_getaffinity(int(tid))))
+        except OSError:
+            pass
+    return sets
+
+
+def _lend_and_borrow(tmp_path, placed: list) -> None:
     cores = available_cores()
     assert len(cores) >= 2, "core lending needs two cores to show anything"
     own, lent = [cores[-1]], cores[:-1]

@@ -26,6 +26,10 @@ from tests.server_utils import ServerProcess, free_port, pid_alive, wait_for
 from tests.stress.workload import Job, assert_invariants, make_jobs, run_load
 
 ARGS = ("--num-blocks", "160", "--max-model-len", "2048")
+# The longest a stream may wait for its next event while a KV tier's server dies under it: a
+# step that waited on a Redis call (1 s timeout) would show here. Measured on this 2-core VM:
+# at most 0.04 s.
+STALL_BOUND_S = 2.0
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -133,8 +137,8 @@ def test_damaged_kv_frames_on_concurrent_transfers(stress_model, reference):
 
 def test_prefill_killed_mid_request_with_a_second_prefill(stress_model, reference):
     """FAULTS 15 under load: one of two prefill instances dies while requests are in flight.
-    Each request either completes correctly or gets an error from the proxy within its
-    deadline; D keeps serving (later requests all succeed) and ends idle."""
+    With a healthy second one, every request completes correctly: the proxy sends those P1 had
+    not answered to P2, and D recomputes those whose KV died with P1. D ends idle."""
     p1 = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(free_port()))
     p2 = ServerProcess(str(stress_model), *ARGS, "--role", "prefill", "--kv-port", str(free_port()))
     decode = ServerProcess(str(stress_model), *ARGS, "--role", "decode", "--kv-load-timeout-s", "3")
@@ -145,9 +149,9 @@ def test_prefill_killed_mid_request_with_a_second_prefill(stress_model, referenc
         wait_for(lambda: _busy(p1), state=p1.status)  # P1 is prefilling: requests are in flight to it
         p1.kill()
         summary = task.result(timeout=150)
+        assert not summary.errors, [r.error for r in summary.results if r.error]
         for r in summary.results:
-            assert r.error is None and r.text == reference(r.job.prompt) or r.error.startswith("http 50"), r.error
-        assert len(summary.completed) >= len(jobs) // 2
+            assert r.finish_reason == "length" and r.text == reference(r.job.prompt)
         after = [_complete(proxy.url, _prompt(300 + i, 100)) for i in range(4)]  # the dead P is skipped
         assert all(r.status_code == 200 for r in after)
         assert_invariants(decode)
@@ -161,9 +165,9 @@ def test_prefill_killed_mid_request_with_a_second_prefill(stress_model, referenc
 
 
 def test_decode_killed_under_load(stress_model):
-    """FAULTS 14 under load: D dies with requests in flight; each client gets an error within
-    the proxy's deadline (never a hang or an empty 200), and P frees all the KV it held when
-    the leases end."""
+    """FAULTS 14 under load: D dies with requests in flight; each client whose request did not
+    finish gets an error within the proxy's deadline (never a hang, an empty 200 or a stream
+    that just stops), and P frees all the KV it held when the leases end."""
     cluster = Disagg(str(stress_model), *ARGS, prefill_args=("--kv-lease-s", "3"))
     jobs = [Job(i, _prompt(400 + i, 200 + 10 * i), 1200, None) for i in range(12)]  # still decoding at 1.5 s
     try:
@@ -172,8 +176,10 @@ def test_decode_killed_under_load(stress_model):
         cluster.decode.kill()
         summary = task.result(timeout=120)
         assert summary.seconds < 90
-        failed = [r for r in summary.results if r.error is not None or r.finish_reason is None]
+        failed = [r for r in summary.results if r.finish_reason != "length"]
         assert failed, "D died mid-load, yet every request finished"
+        # Each unfinished one was told: an HTTP error, or an error event in its stream.
+        assert all(r.error is not None for r in failed), [(r.finish_reason, r.text[-20:]) for r in failed]
         assert_invariants(cluster.prefill, timeout=20)
     finally:
         cluster.proxy.stop()
@@ -184,7 +190,9 @@ def test_decode_killed_under_load(stress_model):
 
 def test_redis_killed_mid_run(stress_model, reference, tmp_path):
     """FAULTS 21 under load: Redis dies while 40 requests with shared prefixes run, then comes
-    back; every output is exact and the server never stalls."""
+    back; every output is exact, the server never stalls (no stream waits longer than
+    STALL_BOUND_S for its next event, though a Redis call may take its 1 s timeout), the tier is
+    turned off when the engine meets the dead server and on again once it answers."""
     redis_server = RedisServer(tmp_path)
     server = ServerProcess(str(stress_model), *ARGS, "--kv-store", redis_server.url, "--kv-chunk-tokens", "64")
     shared = [_prompt(500 + k, 400) for k in range(4)]
@@ -197,12 +205,22 @@ def test_redis_killed_mid_run(stress_model, reference, tmp_path):
         wait_for(lambda: server.status()["kv_store"].get("redis", {}).get("bytes_stored", 0) > 0,
                  state=server.status)
         redis_server.kill()
-        time.sleep(1.0)  # down for a while (any while: this is not a race)
+        wait_for(lambda: "unavailable" in server.log_path.read_text(), timeout=30,
+                 state=lambda: server.log_path.read_text()[-2000:])  # the engine met the dead server
         redis_server.start()
         summary = task.result(timeout=150)
         assert not summary.errors
         for r in summary.results:
             assert r.text == reference(r.job.prompt, 12)
+        assert max(r.longest_gap_s for r in summary.results) < STALL_BOUND_S, \
+            sorted(r.longest_gap_s for r in summary.results)[-5:]
+        # Back on: a new prompt's chunks reach the restarted server.
+        stored = server.status()["kv_store"]["redis"]["bytes_stored"]
+        wait_for(lambda: "is back" in server.log_path.read_text(), timeout=30,
+                 state=lambda: server.log_path.read_text()[-2000:])
+        assert _complete(server.url, _prompt(650, 300)).status_code == 200
+        wait_for(lambda: server.status()["kv_store"]["redis"]["bytes_stored"] > stored, timeout=30,
+                 state=server.status)
         assert_invariants(server)
     finally:
         server.stop()
@@ -268,23 +286,26 @@ def test_forward_raising(stress_model):
 
 
 def test_sigterm_under_load(stress_model):
-    """FAULTS 25: SIGTERM with 10 streams open. Each finishes or gets an error (no hang); both
-    processes exit in bounded time; the engine's ipc sockets are gone."""
+    """FAULTS 25: SIGTERM with 10 streams open. The server drains them (up to 10 s: these need
+    a few) before it stops: each finishes whole; both processes exit in bounded time; the
+    engine's ipc sockets are gone."""
     import glob
     import tempfile
     server = ServerProcess(str(stress_model), *ARGS)
     jobs = make_jobs(10, seed=3, max_prompt=400, disconnect_fraction=0.0)
     for job in jobs:
-        job.max_tokens = 400
+        job.max_tokens = 150
     sockets_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "engine-ipc-*")))
     try:
         task = ThreadPoolExecutor(1).submit(asyncio.run, run_load(server.url, jobs, rate=50.0, deadline_s=60))
-        wait_for(lambda: _busy(server), state=server.status)  # the streams are open
+        # All ten streams are open (one that connects after SIGTERM is refused, rightly).
+        wait_for(lambda: server.status()["requests"]["in_flight_http"] == len(jobs), state=server.status)
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         summary = task.result(timeout=60)
         assert server.proc.wait(20) in (0, -15) and time.monotonic() - start < 20
-        assert all(r.error is not None or r.finish_reason == "length" for r in summary.results)
+        assert not summary.errors, [r.error for r in summary.results if r.error]
+        assert all(r.finish_reason == "length" for r in summary.results)
         deadline = time.monotonic() + 5
         while pid_alive(server.engine_pid):
             assert time.monotonic() < deadline, "engine core outlived the server"

@@ -28,6 +28,8 @@ class Result:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None  # "http <status>: <message>" or the exception
+    seconds: float = 0.0  # from sending the request to its end
+    longest_gap_s: float = 0.0  # between two events of its stream (the first counted from sending)
 
 
 @dataclass
@@ -60,6 +62,7 @@ async def _client(http: httpx.AsyncClient, url: str, job: Job, result: Result) -
     body = {"prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     chunks = 0
+    start = last = time.perf_counter()
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -69,6 +72,8 @@ async def _client(http: httpx.AsyncClient, url: str, job: Job, result: Result) -
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                now = time.perf_counter()
+                result.longest_gap_s, last = max(result.longest_gap_s, now - last), now
                 event = json.loads(line[6:])
                 if "error" in event:
                     result.error = f"stream error: {event['error'].get('message')}"
@@ -81,6 +86,8 @@ async def _client(http: httpx.AsyncClient, url: str, job: Job, result: Result) -
                     return  # leaving the block closes the connection: the server must abort
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.seconds = time.perf_counter() - start
 
 
 async def run_load(url: str, jobs: list[Job], rate: float, seed: int = 0, deadline_s: float = 300) -> Summary:
