@@ -58,31 +58,35 @@ from entrypoints.protocol import (
 
 logger = logging.getLogger("engine.proxy")
 STATUS_POLL_S = 3.0  # how often kv-aware routing re-reads each instance's /status
+PREFILL_POLL_S = 0.5  # how often the prefill instances' held hand-offs are read
 
 
 @dataclass
 class Upstream:
     url: str
     in_flight: int = 0  # this proxy's requests open there
-    # Hand-offs whose KV this prefill instance holds for this proxy: it answered, and no decode
-    # instance has taken the KV yet (nor was it released). They fill its pool as the requests
-    # did, so they count in its load like them.
+    # A prefill instance's requests whose KV it holds for a decode instance that has not taken
+    # it yet, anyone's (its /status at the last poll), and the hand-offs this proxy got from it
+    # since. They fill its pool as the requests did, so they count in its load like them.
     held: int = 0
+    handed: int = 0
+    polls: int = 0  # how many times ``held`` was read
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.held
+        return self.in_flight + self.held + self.handed
 
-    def hold(self):
-        """Counts one hand-off in ``held`` until the returned callable runs (once)."""
-        self.held += 1
-        done = False
+    def hand_off(self):
+        """Counts one hand-off in ``handed``; the returned callable (call it once D has the KV,
+        or it was released) takes it back unless a poll of the instance counted it since."""
+        self.handed += 1
+        polls = self.polls
 
         def taken() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                self.held -= 1
+            nonlocal polls
+            if polls == self.polls:
+                self.handed -= 1
+            polls = -1  # once
         return taken
 
 
@@ -182,6 +186,23 @@ class Proxy:
             return await asyncio.to_thread(self.router.prompt_blocks, tokens, salt if isinstance(salt, str) else None)
         return None
 
+    async def watch_prefills(self) -> None:
+        """Every PREFILL_POLL_S, each prefill instance's own count of requests whose KV it holds
+        for a transfer (``held``: anyone's hand-offs, prompt lists counted per prompt), for the
+        proxy's life; one that does not answer counts none. What this proxy handed off since is
+        counted until the poll or until D has it (whichever first: a hand-off whose stream never
+        started is counted until the next poll at most)."""
+        while True:
+            for upstream in self.prefills:
+                try:
+                    resp = await self.http.get(f"{upstream.url}/status", timeout=5)
+                    held = int(resp.json()["requests"]["held_for_transfer"]) if resp.status_code == 200 else 0
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    held = 0
+                upstream.held, upstream.handed = held, 0
+                upstream.polls += 1
+            await asyncio.sleep(PREFILL_POLL_S)
+
     async def watch_instances(self) -> None:
         """Follow the KV events of every decode instance (or replica) that publishes them, as
         its /status says, asked every few seconds for the proxy's life: an instance not up yet
@@ -215,17 +236,26 @@ class Proxy:
     async def prefill(self, path: str, body: dict, headers: dict) -> tuple[dict, Upstream] | JSONResponse | None:
         """Run the prompt on a prefill instance; returns its answer (with kv_transfer_params) and
         the instance, an error, or None when no prefill instance could be reached. One that is
-        down, or dies before it answers (the connection drops), is replaced by the next: nothing
-        reached the client, and what it computed died with it. A timeout is not retried (the
-        next instance would likely take as long)."""
+        down is replaced by the next; one that drops the connection before it answers too, once
+        per request (nothing reached the client; if it had computed the prompt after all, its
+        lease frees that KV). A timeout is not retried (the next would likely take as long)."""
         p_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         p_body.pop("stream_options", None)
+        dropped = 0  # instances that dropped the connection mid-request: resent once at most
         for upstream in self.ordered(self.prefills):
             upstream.in_flight += 1
             try:
                 resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-                logger.warning("prefill %s unreachable or gone mid-request: %s", upstream.url, exc)
+            except httpx.ConnectError as exc:  # down: try the next prefill instance
+                logger.warning("prefill %s unreachable: %s", upstream.url, exc)
+                continue
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                # It died under the request (or a reused connection was being closed): once, the
+                # next one; a request that kills every instance it reaches must not go round all.
+                if dropped:
+                    return self._upstream_error("prefill", upstream, exc)
+                dropped += 1
+                logger.warning("prefill %s dropped the connection mid-request: %s", upstream.url, exc)
                 continue
             except httpx.HTTPError as exc:
                 return self._upstream_error("prefill", upstream, exc)
@@ -306,9 +336,7 @@ class Proxy:
         logger.info("%s prefilled in %.3fs", request_id, time.monotonic() - started)
         params = answer.pop("kv_transfer_params")
         first = FirstTokens(answer, chat=path.endswith("chat/completions"))
-        taken = prefilled_on.hold()  # until D has the KV, or it is released
         if first.final:  # every sequence ended with its first token: P's answer is the answer
-            taken()
             self.release(prefilled_on, params, headers)  # P keeps it on offer for vLLM's routers
             if body.get("stream"):
                 include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
@@ -318,6 +346,7 @@ class Proxy:
             return JSONResponse(answer, headers={"X-Request-Id": request_id})
         d_body = {**body, "kv_transfer_params": params}
         upstream = self.pick(self.decodes, prompt)
+        taken = prefilled_on.hand_off()  # held there until D pulls it
 
         def unused() -> None:  # D never took the hand-off
             taken()
@@ -329,7 +358,7 @@ class Proxy:
         try:
             answer = await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
         finally:
-            taken()  # D answered (it pulled the KV first), or failed: released below
+            taken()  # D answered (it pulled the KV first), or failed (released below)
         answer = answer.response if isinstance(answer, _Unreachable) else answer
         if answer is None or answer.status_code != 200:
             unused()
@@ -619,7 +648,10 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         watcher = asyncio.create_task(proxy.watch_instances()) if proxy.router is not None else None
+        prefills = asyncio.create_task(proxy.watch_prefills()) if proxy.prefills else None
         yield
+        if prefills is not None:
+            prefills.cancel()
         if watcher is not None:
             watcher.cancel()
             proxy.router.stop()
@@ -661,7 +693,8 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
                            "max_prefill_queue": proxy.disagg.max_prefill_queue,
                            "decisions": [{"path": p, "reason": r, "count": n}
                                          for (p, r), n in sorted(proxy.decisions.items())]},
-                "prefill": [{"url": u.url, "in_flight": u.in_flight, "held": u.held} for u in proxy.prefills],
+                "prefill": [{"url": u.url, "in_flight": u.in_flight, "held": u.held + u.handed}
+                            for u in proxy.prefills],
                 "decode": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.decodes],
                 "kv_routing": proxy.router.status() if proxy.router is not None else None}
 

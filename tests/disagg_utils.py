@@ -14,7 +14,7 @@ from tests.server_utils import HTTP, REPO, ServerProcess, free_port, log_dir
 
 
 class ProxyProcess:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], *args: str) -> None:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], *args: str, host=None) -> None:
         self.port = free_port()
         if "--max-local-prefill-tokens" not in args:
             # Every request through the prefill instance, as the P->D tests need (the default,
@@ -25,11 +25,13 @@ class ProxyProcess:
             cmd += ["--prefill", url]
         for url in decode_urls:
             cmd += ["--decode", url]
+        if host is not None:  # a tests/multihost.py Host
+            cmd = host.command([*cmd, "--host", host.address])
         self.log_path = log_dir() / f"engine-proxy-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host.address if host is not None else '127.0.0.1'}:{self.port}"
         deadline = time.monotonic() + 60
         while True:
             try:

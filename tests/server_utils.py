@@ -46,20 +46,23 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProcess:
     def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 120.0,
-                 env: dict | None = None, port: int | None = None, wait: bool = True) -> None:
+                 env: dict | None = None, port: int | None = None, wait: bool = True, host=None) -> None:
         """Starts the server; with ``wait`` (default) returns once it is healthy. Without,
-        call ``wait_ready()`` (servers started together then load side by side)."""
+        call ``wait_ready()`` (servers started together then load side by side). ``host``: a
+        tests/multihost.py Host to run on (bound to its address), instead of loopback."""
         self.args = args
         self.port = port or free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "entrypoints.cli", "serve", *args, "--port", str(self.port)]
         if api_key:
             cmd += ["--api-key", api_key]
+        if host is not None:
+            cmd = host.command([*cmd, "--host", host.address])
         self.log_path = log_dir() / f"engine-serve-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host.address if host is not None else '127.0.0.1'}:{self.port}"
         self.startup_timeout = startup_timeout
         if wait:
             self.wait_ready()

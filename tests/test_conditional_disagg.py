@@ -51,7 +51,17 @@ def _decisions(url: str) -> dict[tuple[str, str], int]:
     return {(d["path"], d["reason"]): d["count"] for d in status["disagg"]["decisions"]}
 
 
+def _settled(url: str) -> None:
+    """Through a proxy: until its view of the prefill instance shows no hand-off held there (it
+    reads the instance's count every 0.5 s), so a decision is not taken on the previous one."""
+    def held() -> int:
+        status = httpx.get(f"{url}/status", timeout=5).json()
+        return sum(p["held"] for p in status["prefill"]) if status.get("proxy") else 0
+    wait_for(lambda: held() == 0, timeout=10)
+
+
 def _complete(url: str, prompt, stream: bool = False, **extra) -> str:
+    _settled(url)
     body = {"prompt": prompt, **GREEDY, **extra}
     if not stream:
         resp = httpx.post(f"{url}/v1/completions", json=body, timeout=60)

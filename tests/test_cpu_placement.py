@@ -98,8 +98,9 @@ def test_a_pinned_server_runs_every_engine_thread_on_its_core(tiny_llama):
 
 
 def test_lender_and_borrower_agree_through_the_file(tmp_path, monkeypatch):
+    import torch
     placed = []
-    everything = os.sched_getaffinity(0)
+    everything, threads = os.sched_getaffinity(0), torch.get_num_threads()
 
     def place(cores, threads, quiet):
         """The real placement, recorded: every thread of this process ends up on ``cores``."""
@@ -111,7 +112,7 @@ def test_lender_and_borrower_agree_through_the_file(tmp_path, monkeypatch):
     try:
         _lend_and_borrow(tmp_path, placed)
     finally:
-        apply_placement(sorted(everything), None, quiet=True)  # this test process, as it was
+        apply_placement(sorted(everything), threads, quiet=True)  # this test process, as it was
 
 
 def _affinities() -> set[frozenset]:

@@ -575,7 +575,8 @@ def test_a_late_lookup_is_a_miss_asked_once_and_its_answer_ignored():
         for _ in range(3):
             assert sched.get_num_new_matched_tokens(b, 0) == match == (0, False)
             assert not step()[0].lookups
-        assert store.num_contains == 2 and store.stats.misses == 4 and sched.lookup_timeouts == 1
+        # (b's lookup: one check of its full chunks, one of the shorter chunks in chunk 0's place.)
+        assert store.num_contains == 3 and store.stats.misses == 4 and sched.lookup_timeouts == 1
         # Admitted (b) or ended (a): nothing is kept, nothing stays pinned.
         sched.update_state_after_alloc(b, list(range(18)), 0, 0)
         for request in (a, b):
@@ -627,7 +628,8 @@ def test_lookup_answers_follow_the_local_prefix_and_pins_end_with_the_load():
         for request in (d, p, q):
             sched.request_finished(request, [])
         assert sched.num_tracked_requests() == 0
-        wait_for(lambda: store.num_contains == 3)  # q asked too (p, with its promise, did not)
+        # q asked too (its full chunks, then shorter chunks in chunk 0's place); p, with its promise, did not.
+        wait_for(lambda: store.num_contains == 4)
     finally:
         worker.shutdown()
 
@@ -655,6 +657,33 @@ def test_a_trailing_chunk_is_found_and_loaded_like_a_prefix_hit():
         sched.transfer_done("r")
         assert torch.equal(worker.kv[:, :, 56:57], _chunk(7)[:, :, :1])
         sched.request_finished(r, [])
+        assert sched.num_tracked_requests() == 0
+    finally:
+        worker.shutdown()
+
+
+def test_a_shorter_prompts_trailing_chunk_serves_a_longer_one():
+    """The next turn of a chat: a 30-token prompt stored chunk 0 and a 3-block trailing chunk
+    (blocks 4-6, named by block 6); a 70-token prompt that starts with it misses its full
+    chunk 1 and finds that trailing chunk in its place: 28 tokens from the tier, as the tier's
+    KV events announced those blocks (tests/test_tier_events.py)."""
+    from tests.scheduler_utils import make_request, prompt_for
+    sched, worker, store, step = _connector_halves(delay=0.0, lookup_timeout_s=5.0)
+    try:
+        longer = make_request("long", prompt_token_ids=prompt_for("turn", 70))
+        keys = _store_chunks(store, longer, 1)
+        tail = longer.block_hashes[6].hex()
+        store.put(tail, _chunk(9)[:, :, :3].clone())
+        assert sched.get_num_new_matched_tokens(longer, 0) is None
+        wait_for(lambda: step()[1].lookups == {"long": (1, 3)})
+        assert sched.get_num_new_matched_tokens(longer, 0) == (28, True)
+        sched.update_state_after_alloc(longer, list(range(40, 58)), 0, 28)
+        load = step()[0].loads[0]
+        assert [c.key for c in load.chunks] == [*keys, tail] and load.chunks[-1].block_ids == [44, 45, 46]
+        wait_for(lambda: "long" in step()[1].finished_recving)
+        sched.transfer_done("long")
+        assert torch.equal(worker.kv[:, :, 44:47], _chunk(9)[:, :, :3])
+        sched.request_finished(longer, [])
         assert sched.num_tracked_requests() == 0
     finally:
         worker.shutdown()

@@ -2,8 +2,9 @@
 hand-off's held KV counts in its prefill instance's load. While a request waits in D's queue, D
 renews P's lease on its KV (kv_transfer/p2p.py, RenewSpec): here P holds KV for 1 s leases and D
 queues the request for several of them behind long requests, yet D pulls the whole prompt and
-answers as a colocated engine does. Meanwhile the proxy counts that hand-off against P (its
---max-prefill-queue is 1), so the next long prompt is prefilled on D instead."""
+answers as a colocated engine does. Meanwhile the proxy counts that hand-off against P (P's own
+count of held hand-offs, which the proxy polls; its --max-prefill-queue is 1), so the next long
+prompt is prefilled on D instead."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +14,9 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.kv_transfer.p2p import MAX_LEASES_HELD
 from tests.disagg_utils import Disagg
+from tests.server_utils import wait_for
 
 ENGINE_ARGS = ("--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny")
 LEASE_S = 1.0
@@ -79,9 +82,11 @@ def test_a_hand_off_queued_on_the_decode_for_many_leases_is_still_pulled(pd, tin
     after = _decisions(pd.url)
     assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {
         ("remote", "long_prompt"): 1, ("local", "prefill_busy"): 1}
-    assert httpx.get(f"{pd.url}/status", timeout=5).json()["prefill"][0]["held"] == 0
+    wait_for(lambda: httpx.get(f"{pd.url}/status", timeout=5).json()["prefill"][0]["held"] == 0, timeout=10)
     queued_s = max(blocker_done) - sent
-    assert queued_s > 3 * LEASE_S, f"queued only {queued_s:.1f} s: lengthen the long request"
+    assert queued_s > 3 * LEASE_S, f"queued only {queued_s:.1f} s: lengthen the long requests"
+    # (Renewals hold an offer MAX_LEASES_HELD leases at most: a queue longer than that recomputes.)
+    assert queued_s < MAX_LEASES_HELD * LEASE_S - 1, f"queued {queued_s:.1f} s: shorten the long requests"
     body = resp.json()
     assert body["choices"][0]["text"] == want
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)  # pulled, not recomputed

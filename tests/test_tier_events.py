@@ -202,7 +202,8 @@ def test_a_server_announces_its_tiers_and_the_router_finds_an_offloaded_prefix(t
                 if type(e).__name__ == "_BlockStored020":
                     by_medium.setdefault(e.medium, []).extend(e.block_hashes)
         gpu = by_medium["GPU"]
-        assert len(gpu) == 5 and by_medium["DISK"] == gpu and set(by_medium["CPU"]) <= set(gpu)
+        assert len(gpu) == 5 and by_medium["DISK"] == gpu
+        assert by_medium.get("CPU") and set(by_medium["CPU"]) <= set(gpu)  # what the small CPU tier kept
         # Other prompts push this one out of the 24-block pool (and of the small CPU tier).
         for seed in (1, 2, 3, 4):
             other = {**body, "prompt": [1000 * seed + i for i in range(150)]}

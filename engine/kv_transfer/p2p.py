@@ -59,12 +59,14 @@ def remove_stale_kv_sockets() -> None:
         remove_stale_socket(path)
 
 DEFAULT_LEASE_S = 30.0
-# A consumer renews the lease of KV it will pull for a request still queued there three times
-# per lease (the producer's: its parameters expire with it), at most every RENEW_EVERY_S; a
-# producer holds an offer at most MAX_LEASES_HELD leases from its start however often it is
-# renewed (a decode that never gets to it cannot pin it).
+# A consumer renews the lease of KV it will pull for a request still queued there every third
+# of the lease time its parameters had left when it queued (their expiry is the producer's wall
+# clock plus CLOCK_SKEW_S: clocks that disagree by more than a lease make that guess wrong, so it
+# is kept between MIN_RENEW_EVERY_S and RENEW_EVERY_S); a producer holds an offer at most
+# MAX_LEASES_HELD leases from its start however often it is renewed (a decode that never gets
+# to it cannot pin it).
 RENEW_EVERY_S = 5.0
-MIN_RENEW_EVERY_S = 0.1
+MIN_RENEW_EVERY_S = 0.25
 MAX_LEASES_HELD = 10
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 

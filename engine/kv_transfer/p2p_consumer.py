@@ -45,6 +45,13 @@ from engine.kv_transfer.secret import KVSecret
 logger = logging.getLogger("engine.kv_transfer")
 
 NUM_PULLERS = 4
+# Releases and renewals go out on a thread of their own, so they never wait behind pulls nor
+# make a pull wait. Fire and forget: the lease is the backstop. A peer that could not be
+# reached is skipped for a while (renewals to a dead prefill would otherwise each wait out a
+# connect), and messages beyond the queue's bound are dropped.
+CONTROL_CONNECT_S = 2.0
+UNREACHABLE_SKIP_S = 10.0
+MAX_CONTROL_QUEUE = 4096
 # Transport handshake failures: a CURVE/plain mismatch (PROTOCOL), or CURVE keys of another
 # secret (NO_DETAIL: the producer cannot read our hello and hangs up).
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -58,17 +65,18 @@ class Peer:
     kv: torch.Tensor | None
     session: SessionTag
 
-    def send(self, msg: WireMessage) -> None:
+    def send(self, msg: WireMessage, flags: int = 0) -> None:
         body = encode(msg)
-        self.sock.send_multipart([body, self.session.next(body)])
+        self.sock.send_multipart([body, self.session.next(body)], flags=flags)
 
 
 REFUSED = "auth: the KV peer refused us"
 
 
 class P2PConsumer:
-    """Pulls (and releases) on ``NUM_PULLERS`` threads. ``stats`` and ``lock`` are shared
-    with the producer of the same worker; everything else here is the consumer's own."""
+    """Pulls on ``NUM_PULLERS`` threads, releases and renewals on one more. ``stats`` and
+    ``lock`` are shared with the producer of the same worker; everything else here is the
+    consumer's own."""
 
     def __init__(self, ctx: zmq.Context, lock: threading.Lock, stats: dict, fingerprint: str,
                  chunk_bytes: int, secret: KVSecret | None, encrypt: bool) -> None:
@@ -78,12 +86,14 @@ class P2PConsumer:
         self.chunk_bytes = chunk_bytes
         self.kv: torch.Tensor | None = None
         self.loads = LoadBook()
-        self._jobs: queue.Queue[LoadSpec | ReleaseSpec] = queue.Queue()
+        self._jobs: queue.Queue[LoadSpec] = queue.Queue()
+        self._control: queue.Queue[ReleaseSpec | RenewSpec] = queue.Queue(MAX_CONTROL_QUEUE)
         self._stop = threading.Event()
         # Several pullers, each with its own peer sockets: a transfer that stalls (a dropped
         # frame waits for its deadline) never holds up the others.
         self._threads = [threading.Thread(target=self._pull_loop, name=f"kv-pull-{i}", daemon=True)
                          for i in range(NUM_PULLERS)]
+        self._threads.append(threading.Thread(target=self._control_loop, name="kv-control", daemon=True))
 
     def start(self, kv: torch.Tensor) -> None:
         self.kv = kv
@@ -96,7 +106,11 @@ class P2PConsumer:
         for spec in metadata.loads:
             self._jobs.put(spec)
         for message in (*metadata.releases, *metadata.renewals):
-            self._jobs.put(message)
+            try:
+                self._control.put_nowait(message)
+            except queue.Full:
+                with self._lock:
+                    self.stats["dropped_messages"] += 1
 
     def take_finished(self) -> tuple[set[str], dict[str, str]]:
         """(loads done, loads failed with their reason) since the last call."""
@@ -112,16 +126,6 @@ class P2PConsumer:
         peers: dict[str, Peer] = {}
         try:
             for job in queued(self._jobs, self._stop):
-                if isinstance(job, (ReleaseSpec, RenewSpec)):  # fire and forget, the lease is the backstop
-                    addr = job.remote_addr
-                    if addr not in peers:
-                        peer, error = self._connect(addr, time.monotonic() + 5)
-                        if peer is None:
-                            continue
-                        peers[addr] = peer
-                    kind = Release if isinstance(job, ReleaseSpec) else Renew
-                    peers[addr].send(kind(job.remote_request_id, job.token_digest))
-                    continue
                 error = self._load(job, peers)
                 if error is not None:
                     with self._lock:
@@ -133,6 +137,31 @@ class P2PConsumer:
                     peer = peers.pop(job.remote_addr, None)
                     if peer is not None:  # drop anything queued or in flight on it
                         peer.sock.close(linger=0)
+        finally:
+            for peer in peers.values():
+                peer.sock.close(linger=0)
+
+    def _control_loop(self) -> None:
+        peers: dict[str, Peer] = {}
+        unreachable: dict[str, float] = {}  # address -> until when it is skipped
+        try:
+            for job in queued(self._control, self._stop):
+                addr = job.remote_addr
+                if addr not in peers:
+                    if unreachable.get(addr, 0.0) > time.monotonic():
+                        continue
+                    peer, _ = self._connect(addr, time.monotonic() + CONTROL_CONNECT_S)
+                    if peer is None:
+                        unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
+                        continue
+                    unreachable.pop(addr, None)
+                    peers[addr] = peer
+                kind = Release if isinstance(job, ReleaseSpec) else Renew
+                try:  # never blocks: a peer that takes nothing (gone without a FIN) is dropped
+                    peers[addr].send(kind(job.remote_request_id, job.token_digest), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    peers.pop(addr).sock.close(linger=0)
+                    unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
         finally:
             for peer in peers.values():
                 peer.sock.close(linger=0)

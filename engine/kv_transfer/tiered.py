@@ -69,14 +69,23 @@ class TierSave:
 
 @dataclass(slots=True)
 class TierLookup:
-    """How many leading ``keys`` (consecutive chunks of one request) some tier holds, and if all,
-    the longest of ``tail_keys`` (trailing chunks after them, longest first: ``tail_keys[i]``
-    covers ``len(tail_keys) - i`` blocks). The answer is ``KVConnectorOutput.lookups[req_id]``;
-    the chunks found stay pinned until a load of the request takes them over or a release for
-    it arrives."""
+    """How many leading ``keys`` (consecutive chunks of one request) some tier holds, then the
+    longest trailing chunk some tier holds where they stop: if all were found, the longest of
+    ``tail_keys`` (after them, longest first: ``tail_keys[i]`` covers ``len(tail_keys) - i``
+    blocks); if ``keys[m]`` is the first missing, the longest chunk of fewer blocks at its place
+    (named by its last block's hash: ``block_hashes`` are the blocks of ``keys``' chunks, in
+    order). A trailing chunk stored by a shorter prompt then serves a longer one (the next turn
+    of a chat). The answer is ``KVConnectorOutput.lookups[req_id]``; the chunks found stay
+    pinned until a load of the request takes them over or a release for it arrives."""
     req_id: str
     keys: list[str]
     tail_keys: list[str] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def tails_at(self, m: int) -> list[str]:
+        """The keys of the chunks of fewer blocks at ``keys[m]``'s place, longest first."""
+        per_chunk = len(self.block_hashes) // len(self.keys)
+        return [self.block_hashes[m * per_chunk + n - 1].hex() for n in range(per_chunk - 1, 0, -1)]
 
 
 @dataclass(slots=True)
@@ -164,7 +173,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         if lookup.found is not None:
             # A local prefix that grew since is fine: the answer still covers the chunks after it.
             end_chunk = min(lookup.first_chunk + lookup.found, last)
-            tail = lookup.tail_blocks if end_chunk == last else 0
+            tail = lookup.tail_blocks if end_chunk == lookup.first_chunk + lookup.found else 0
             return self._match(min(end_chunk * self.blocks_per_chunk + tail, loadable), num_computed_tokens)
         if lookup.timed_out:
             return 0, False
@@ -198,8 +207,9 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         # loadable blocks (as the device prefix cache uses a cached block-aligned prompt).
         longest = min(len(request.block_hashes), (last + 1) * self.blocks_per_chunk)
         tails = [self._block_key(request, end) for end in range(longest, last * self.blocks_per_chunk, -1)]
-        self._meta.lookups.append(TierLookup(request.request_id, [self._key(request, c) for c in range(first, last)],
-                                             tails))
+        self._meta.lookups.append(TierLookup(
+            request.request_id, [self._key(request, c) for c in range(first, last)], tails,
+            request.block_hashes[first * self.blocks_per_chunk:last * self.blocks_per_chunk]))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id, found in output.lookups.items():

@@ -196,9 +196,11 @@ class TieredConnectorWorker(KVConnectorWorker):
             if self._cpu_tier is not None:
                 if events is not None:
                     events.expect(save.key, save.names, 1)
-                self._cpu_tier.put(save.key, chunk)  # in memory; its lock is never held across I/O
-                if events is not None:
-                    events.put_done(save.key)
+                try:
+                    self._cpu_tier.put(save.key, chunk)  # in memory; its lock is never held across I/O
+                finally:
+                    if events is not None:
+                        events.put_done(save.key)
             if not self._slow_tiers:
                 continue
             nbytes = chunk.numel() * chunk.element_size()
@@ -264,10 +266,12 @@ class TieredConnectorWorker(KVConnectorWorker):
         with self._lock:
             if self._asked.get(req_id) != job.ticket:
                 return  # released or superseded while queued: no I/O for an unwanted answer
-        keys, tails = job.lookup.keys, job.lookup.tail_keys
+        keys = job.lookup.keys
         found = keys[:self.tiers.lookup(keys)]
+        # Where the full chunks stop, the longest trailing chunk stored there.
+        tails = job.lookup.tail_keys if len(found) == len(keys) else job.lookup.tails_at(len(found))
         tail_blocks = 0
-        if len(found) == len(keys) and tails:
+        if tails:
             index = self.tiers.longest_tail(tails)
             if index is not None:
                 found.append(tails[index])

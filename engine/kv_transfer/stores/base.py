@@ -116,16 +116,20 @@ class EvictingStore(KVStore):
         self._lock = threading.Lock()
         self._pins: collections.Counter[str] = collections.Counter()
         # What this process put in and what left, in order (key, True for in), for the tier's KV
-        # events (tier_events.py); None while nobody reads it, so nothing piles up.
+        # events (tier_events.py); None while nobody reads it, so nothing piles up. A lock of its
+        # own: the reader (the engine's step thread) never waits for ``_lock``, which the disk
+        # tier holds across file deletions.
         self.journal: list[tuple[str, bool]] | None = None
+        self._journal_lock = threading.Lock()
 
     def _log(self, key: str, stored: bool) -> None:
         """Under ``_lock``, so the journal's order is the index's."""
         if self.journal is not None:
-            self.journal.append((key, stored))
+            with self._journal_lock:
+                self.journal.append((key, stored))
 
     def take_journal(self) -> list[tuple[str, bool]]:
-        with self._lock:
+        with self._journal_lock:
             entries = self.journal or []
             if self.journal is not None:
                 self.journal = []

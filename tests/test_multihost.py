@@ -1,0 +1,225 @@
+"""P, D and the proxy on separate hosts (network namespaces with their own hostnames and
+addresses: tests/multihost.py), started as the README's multi-host recipe says: one deployment
+secret copied to every host, the KV port on the host's own address, with and without
+--kv-encrypt. The test process is a client host without the secret.
+
+- P->D across hosts gives a single instance's answers, the KV pulled over TCP;
+- the client can neither pull a prefill's KV nor make the decode instance connect anywhere;
+- the link to P cut in the middle of a 2k-token pull: the answer is still right (recomputed
+  within the decode's deadline), and once the link is back both sides end idle;
+- D's host gone (killed, unplugged) in the middle of a pull: P frees the KV by itself.
+
+Skipped with the reason where hosts cannot be made (not root, no iproute2); CI runs as root."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kv_transfer.p2p import LoadSpec, P2PMetadata
+from engine.kv_transfer.p2p_worker import P2PConnectorWorker
+from engine.kv_transfer.params import token_digest
+from tests import multihost
+from tests.conftest import make_tiny_model
+from tests.disagg_utils import ProxyProcess
+from tests.server_utils import REPO, ServerProcess, wait_for
+from tests.stress.workload import assert_invariants
+
+pytestmark = pytest.mark.skipif(multihost.unavailable() is not None, reason=str(multihost.unavailable()))
+
+ARGS = ("--num-blocks", "512", "--max-model-len", "2048", "--served-model-name", "tiny")
+KV_PORT = 14579
+LOAD_TIMEOUT_S = 5
+LEASE_S = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with a 2k context (2k-token prompts)."""
+    return make_tiny_model(tmp_path_factory.mktemp("multihost-llama"), "llama", tie_word_embeddings=True,
+                           max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def single(model):
+    llm = LLM(str(model), num_blocks=512, max_model_len=2048)
+    yield lambda prompt: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                      use_tqdm=False)[0].outputs[0].text
+    llm.shutdown()
+
+
+class Deployment:
+    """The README's recipe on three hosts: `engine secret` once, the file copied to each host."""
+
+    def __init__(self, model, tmp_path, encrypt: bool) -> None:
+        self.network = multihost.Network()
+        self.servers: list = []
+        try:
+            self.p_host, self.d_host, self.x_host = (self.network.add(n) for n in ("prefill", "decode", "proxy"))
+            made = tmp_path / "secret"
+            subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(made)], cwd=REPO, check=True,
+                           capture_output=True)
+            secrets = {}
+            for host in (self.p_host, self.d_host, self.x_host):
+                (tmp_path / host.name).mkdir()
+                secrets[host.name] = str(shutil.copy(made, tmp_path / host.name / "secret"))
+            extra = ("--kv-encrypt",) if encrypt else ()
+            self.prefill = ServerProcess(
+                str(model), *ARGS, "--role", "prefill", "--kv-port", str(KV_PORT), "--kv-ip", self.p_host.address,
+                "--kv-lease-s", str(LEASE_S), "--kv-secret-file", secrets["prefill"], *extra,
+                host=self.p_host, wait=False)
+            self.servers.append(self.prefill)
+            self.decode = ServerProcess(
+                str(model), *ARGS, "--role", "decode", "--kv-load-timeout-s", str(LOAD_TIMEOUT_S),
+                "--kv-secret-file", secrets["decode"], *extra, host=self.d_host, wait=False)
+            self.servers.append(self.decode)
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+            self.proxy = ProxyProcess([self.prefill.url], [self.decode.url], "--kv-secret-file", secrets["proxy"],
+                                      host=self.x_host)
+            self.servers.append(self.proxy)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for server in reversed(self.servers):
+            if server.proc.poll() is None:
+                server.proc.kill()
+                server.proc.wait(10)
+        self.network.close()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "encrypted"])
+def deployment(request, model, tmp_path_factory):
+    deployment = Deployment(model, tmp_path_factory.mktemp("hosts"), encrypt=request.param)
+    yield deployment
+    deployment.close()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 40000 + 3 for i in range(n)]
+
+
+def _complete(url: str, prompt: list[int], **extra) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra})
+
+
+def test_p_to_d_across_hosts_equals_a_single_instance(deployment, single):
+    for n in (5, 300, 2000):
+        prompt = _prompt(n, n)
+        resp = _complete(deployment.proxy.url, prompt)
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["choices"][0]["text"] == single(prompt)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == n  # pulled, not recomputed
+    # Over TCP between the hosts' own addresses (their hostnames differ: no same-host ipc path).
+    params = _complete(deployment.prefill.url, _prompt(1, 40),
+                       kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
+    assert params["remote_kv_addr"] == f"tcp://{deployment.p_host.address}:{KV_PORT}"
+    assert params["remote_host_id"].startswith("prefill/")
+    httpx.post(f"{deployment.prefill.url}/v1/kv/release", json={"kv_transfer_params": params}, timeout=10)
+    assert deployment.decode.status()["kv_transfer"]["bytes"] > 0
+    assert_invariants(deployment.prefill)
+    assert_invariants(deployment.decode)
+
+
+def test_a_client_without_the_secret_cannot_pull_or_steer(deployment):
+    prompt = _prompt(2, 300)
+    params = _complete(deployment.prefill.url, prompt,
+                       kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
+    # Pull: the client knows where the KV is, its request id and its tokens, but not the secret.
+    stranger = P2PConnectorWorker("stranger", "any", "127.0.0.1", None)
+    try:
+        stranger.register_kv_caches(torch.zeros(2, 2, 64, 16, 2, 16))
+        stranger.start_load_kv(P2PMetadata(loads=[LoadSpec(
+            "steal", params["remote_kv_addr"], params["remote_request_id"], 0, list(range(19)),
+            time.monotonic() + 5, token_digest(prompt))]))
+        deadline = time.monotonic() + 15
+        while True:
+            out = stranger.get_finished()
+            if out.finished_recving or out.failed_recving:
+                break
+            assert time.monotonic() < deadline, "the stranger's pull neither failed nor finished"
+            time.sleep(0.05)
+        assert out.failed_recving == {"steal"} and not out.finished_recving, out
+    finally:
+        stranger.shutdown()
+    # Steer: unsigned parameters pointing the decode instance at the client's own address.
+    listener = socket.socket()
+    listener.bind((deployment.network.client_address, 0))
+    listener.listen()
+    listener.settimeout(2)
+    forged = {"do_remote_prefill": True, "remote_kv_addr": f"tcp://{deployment.network.client_address}:"
+              f"{listener.getsockname()[1]}", "remote_request_id": "x", "num_tokens": len(prompt),
+              "token_digest": token_digest(prompt)}
+    resp = _complete(deployment.decode.url, prompt, kv_transfer_params=forged)
+    assert resp.status_code == 400 and "signature" in resp.text, resp.text
+    with pytest.raises(socket.timeout):
+        listener.accept()  # nobody came
+    listener.close()
+    # The real hand-off is untouched: the decode instance, which has the secret, pulls it whole.
+    resp = _complete(deployment.decode.url, prompt, kv_transfer_params=params)
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 300
+    assert_invariants(deployment.prefill)
+    assert_invariants(deployment.decode)
+
+
+def test_the_link_to_the_prefill_cut_mid_pull_recomputes_within_the_deadline(deployment, single):
+    """The pull of a 2k-token prompt's KV runs over a 1 Mbit/s link (several seconds); the link
+    is cut once D waits for it. D gives up at its deadline and computes the prompt itself."""
+    prompt = _prompt(3, 2000)
+    answer: list[httpx.Response] = []
+    deployment.p_host.limit("1mbit")
+    try:
+        started = time.monotonic()
+        client = threading.Thread(target=lambda: answer.append(_complete(deployment.proxy.url, prompt)))
+        client.start()
+        wait_for(lambda: deployment.decode.status()["requests"]["waiting_for_remote_kv"] == 1, timeout=60,
+                 state=deployment.decode.status)
+        deployment.p_host.cut()
+        client.join(LOAD_TIMEOUT_S + 60)
+        assert answer, "no answer"
+        assert time.monotonic() - started < LOAD_TIMEOUT_S + 60
+        resp = answer[0]
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == single(prompt)
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed
+        assert deployment.decode.status()["kv_transfer"]["failures"]
+    finally:
+        deployment.p_host.plug()
+        deployment.p_host.unlimit()
+    # Once the link is back both sides end idle (P's send is abandoned or its lease ends).
+    assert_invariants(deployment.decode)
+    assert_invariants(deployment.prefill, timeout=LEASE_S + 30)
+
+
+def test_the_decode_host_gone_mid_pull_leaves_the_prefill_clean(deployment):
+    """Last (it takes the decode host down): D's processes killed and its link unplugged in the
+    middle of a slow pull, so P's socket never hears a FIN. P abandons the send and frees the KV."""
+    prompt = _prompt(4, 2000)
+    deployment.d_host.limit("1mbit")
+    client = threading.Thread(target=lambda: _complete_quietly(deployment.proxy.url, prompt))
+    client.start()
+    wait_for(lambda: deployment.decode.status()["requests"]["waiting_for_remote_kv"] == 1, timeout=60,
+             state=deployment.decode.status)
+    deployment.d_host.cut()
+    deployment.decode.kill()
+    assert_invariants(deployment.prefill, timeout=LEASE_S + 30)
+    client.join(130)
+
+
+def _complete_quietly(url: str, prompt: list[int]) -> None:
+    try:
+        _complete(url, prompt)
+    except httpx.HTTPError:
+        pass
