@@ -39,6 +39,7 @@ ARGS = ("--num-blocks", "512", "--max-model-len", "2048", "--served-model-name",
 KV_PORT = 14579
 LOAD_TIMEOUT_S = 5
 LEASE_S = 4
+PROXY_TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ class Deployment:
             self.prefill.wait_ready()
             self.decode.wait_ready()
             self.proxy = ProxyProcess([self.prefill.url], [self.decode.url], "--kv-secret-file", secrets["proxy"],
-                                      host=self.x_host)
+                                      "--timeout", str(PROXY_TIMEOUT_S), host=self.x_host)
             self.servers.append(self.proxy)
         except Exception:
             self.close()
@@ -205,21 +206,26 @@ def test_the_link_to_the_prefill_cut_mid_pull_recomputes_within_the_deadline(dep
 
 def test_the_decode_host_gone_mid_pull_leaves_the_prefill_clean(deployment):
     """Last (it takes the decode host down): D's processes killed and its link unplugged in the
-    middle of a slow pull, so P's socket never hears a FIN. P abandons the send and frees the KV."""
+    middle of a slow pull, so neither P's socket nor the proxy's connection hears a FIN. P
+    abandons the send and frees the KV; the client gets an error at the proxy's deadline."""
     prompt = _prompt(4, 2000)
     deployment.d_host.limit("1mbit")
-    client = threading.Thread(target=lambda: _complete_quietly(deployment.proxy.url, prompt))
+    answer: list = []
+    client = threading.Thread(target=lambda: answer.append(_complete_or_error(deployment.proxy.url, prompt)))
     client.start()
     wait_for(lambda: deployment.decode.status()["requests"]["waiting_for_remote_kv"] == 1, timeout=60,
              state=deployment.decode.status)
+    gone = time.monotonic()
     deployment.d_host.cut()
     deployment.decode.kill()
     assert_invariants(deployment.prefill, timeout=LEASE_S + 30)
-    client.join(130)
+    client.join(PROXY_TIMEOUT_S + 30)
+    assert answer and time.monotonic() - gone < PROXY_TIMEOUT_S + 30
+    assert answer[0] in (502, 504), answer  # the proxy's error (D unreachable or past its deadline)
 
 
-def _complete_quietly(url: str, prompt: list[int]) -> None:
+def _complete_or_error(url: str, prompt: list[int]):
     try:
-        _complete(url, prompt)
-    except httpx.HTTPError:
-        pass
+        return _complete(url, prompt).status_code
+    except httpx.HTTPError as exc:
+        return exc
