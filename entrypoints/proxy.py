@@ -59,6 +59,10 @@ from entrypoints.protocol import (
 logger = logging.getLogger("engine.proxy")
 STATUS_POLL_S = 3.0  # how often kv-aware routing re-reads each instance's /status
 PREFILL_POLL_S = 0.5  # how often the prefill instances' held hand-offs are read
+# An upstream that could not be connected to goes to the end of the order for this long: while a
+# link is cut (no refusal, only a connect timeout), requests go to the others without each
+# paying that timeout first. It stays a last resort, and is tried first again after.
+DOWN_S = 10.0
 
 
 @dataclass
@@ -71,6 +75,14 @@ class Upstream:
     held: int = 0
     handed: int = 0
     polls: int = 0  # how many times ``held`` was read
+    down_until: float = 0.0  # time.monotonic() until which it counts as unreachable (DOWN_S)
+
+    def unreachable(self) -> None:
+        self.down_until = time.monotonic() + DOWN_S
+
+    @property
+    def down(self) -> bool:
+        return self.down_until > time.monotonic()
 
     @property
     def load(self) -> int:
@@ -146,17 +158,21 @@ class Proxy:
         self._background: set[asyncio.Task] = set()  # KV releases on their way (see release)
 
     def ordered(self, pool: list[Upstream]) -> list[Upstream]:
-        """Candidates in the order to try them: least loaded first (ties round robin)."""
+        """Candidates in the order to try them: least loaded first (ties round robin), those
+        that could not be reached lately last."""
         start = next(self._rr) % len(pool)
         rotated = pool[start:] + pool[:start]
-        return rotated if self.policy == "round-robin" else sorted(rotated, key=lambda u: u.load)
+        if self.policy != "round-robin":
+            rotated = sorted(rotated, key=lambda u: u.load)
+        return sorted(rotated, key=lambda u: u.down)
 
     def pick(self, pool: list[Upstream], prompt: PromptBlocks | None) -> Upstream:
         """Where to serve: with kv-aware routing the instance holding most of the prompt,
         traded against load (entrypoints/kv_router.py); else the first of ``ordered``."""
+        ordered = self.ordered(pool)
         if self.router is None:
-            return self.ordered(pool)[0]
-        upstream, hit = self.router.choose(self.ordered(pool), prompt)
+            return ordered[0]
+        upstream, hit = self.router.choose([u for u in ordered if not u.down] or ordered, prompt)
         self.router.count(upstream.url, prompt, hit)
         return upstream
 
@@ -246,8 +262,9 @@ class Proxy:
             upstream.in_flight += 1
             try:
                 resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
-            except httpx.ConnectError as exc:  # down: try the next prefill instance
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # down: try the next prefill instance
                 logger.warning("prefill %s unreachable: %s", upstream.url, exc)
+                upstream.unreachable()
                 continue
             except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 # It died under the request (or a reused connection was being closed): once, the
@@ -345,7 +362,6 @@ class Proxy:
                                          headers={"X-Request-Id": request_id})
             return JSONResponse(answer, headers={"X-Request-Id": request_id})
         d_body = {**body, "kv_transfer_params": params}
-        upstream = self.pick(self.decodes, prompt)
         taken = prefilled_on.hand_off()  # held there until D pulls it
 
         def unused() -> None:  # D never took the hand-off
@@ -354,9 +370,10 @@ class Proxy:
         if body.get("stream"):
             # The client has the first tokens: D's stream goes on after them.
             headers = {**headers, FIRST_TOKENS_SHOWN: "1"}
-            return await self._stream_decode(upstream, path, d_body, headers, request_id, first, unused, taken)
+            return await self._stream_decode(prompt, path, d_body, headers, request_id, first, unused, taken)
         try:
-            answer = await _until_disconnect(raw, self._decode(upstream, path, d_body, headers))
+            answer = await self._on_a_decode(prompt, lambda upstream: _until_disconnect(
+                raw, self._decode(upstream, path, d_body, headers)))
         finally:
             taken()  # D answered (it pulled the KV first), or failed (released below)
         answer = answer.response if isinstance(answer, _Unreachable) else answer
@@ -376,16 +393,8 @@ class Proxy:
         it declined (the body carried max_local_prefill_tokens and more of the prompt is
         uncached there). An instance that cannot be reached is replaced by the next best one
         (nothing was sent to the client yet)."""
-        candidates = self.decodes
-        while True:
-            upstream = self.pick(candidates, prompt)
-            answer = await self._serve_on(upstream, raw, path, body, headers)
-            unreachable = isinstance(answer, _Unreachable)
-            if not unreachable:
-                return answer
-            candidates = [u for u in candidates if u is not upstream]
-            if not candidates:
-                return answer.response
+        answer = await self._on_a_decode(prompt, lambda u: self._serve_on(u, raw, path, body, headers))
+        return answer.response if isinstance(answer, _Unreachable) else answer
 
     async def _serve_on(self, upstream: Upstream, raw: Request, path: str, body: dict,
                         headers: dict) -> Response | _Unreachable | None:
@@ -409,7 +418,10 @@ class Proxy:
         except httpx.HTTPError as exc:
             upstream.in_flight -= 1
             error = self._upstream_error("decode", upstream, exc)
-            return _Unreachable(error) if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else error
+            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                upstream.unreachable()
+                return _Unreachable(error)
+            return error
         except BaseException:  # the client left while we waited (cancelled)
             upstream.in_flight -= 1
             raise
@@ -428,7 +440,10 @@ class Proxy:
             resp = await self.http.post(f"{upstream.url}{path}", json=body, headers=headers)
         except httpx.HTTPError as exc:
             error = self._upstream_error("decode", upstream, exc)
-            return _Unreachable(error) if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else error
+            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                upstream.unreachable()
+                return _Unreachable(error)
+            return error
         finally:
             upstream.in_flight -= 1
         if resp.status_code != 200:
@@ -456,22 +471,35 @@ class Proxy:
             # Also runs when the client disconnects: closing aborts the request on D.
             await opened.close()
 
-    async def _stream_decode(self, upstream: Upstream, path: str, body: dict, headers: dict,
+    async def _on_a_decode(self, prompt: PromptBlocks | None, call):
+        """``call(upstream)`` on the best decode instance; one that cannot be reached (nothing
+        was sent to it) is replaced by the next best, until none is left."""
+        candidates = self.decodes
+        while True:
+            upstream = self.pick(candidates, prompt)
+            answer = await call(upstream)
+            if not isinstance(answer, _Unreachable):
+                return answer
+            candidates = [u for u in candidates if u is not upstream]
+            if not candidates:
+                return answer
+
+    async def _stream_decode(self, prompt: PromptBlocks | None, path: str, body: dict, headers: dict,
                              request_id: str, first: "FirstTokens", unused, taken) -> Response:
         async def relay():
             opened = None
             try:
-                # The first tokens go out before D is even asked.
+                # The first tokens go out before D is even asked (once, whichever D takes it).
                 if first.chat:
                     yield first.role_chunk()
                 yield first.continuing_chunk()
-                opened = await self._open_stream(upstream, path, body, headers)
+                opened = await self._on_a_decode(prompt, lambda u: self._open_stream(u, path, body, headers))
             finally:
                 if not isinstance(opened, _OpenStream):  # D never took the hand-off, or the client left first
                     unused()
             if not isinstance(opened, _OpenStream):
                 error = opened.response if isinstance(opened, _Unreachable) else opened
-                yield _error_event(error or error_response(502, f"decode {upstream.url} declined the request"))
+                yield _error_event(error or error_response(502, "the decode instance declined the request"))
                 return
             try:
                 async for event in self._relay(opened, skip_role=first.chat):

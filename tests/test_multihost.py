@@ -1,17 +1,20 @@
-"""P, D and the proxy on separate hosts (network namespaces with their own hostnames and
-addresses: tests/multihost.py), started as the README's multi-host recipe says: one deployment
-secret copied to every host, the KV port on the host's own address, with and without
---kv-encrypt. The test process is a client host without the secret.
+"""P, two D's and the proxy on separate hosts (network namespaces with their own hostnames and
+addresses: tests/multihost.py), started as the multi-host recipe in docs/disaggregation.md
+says: one deployment secret copied to every host, the KV port on the host's own address, with
+and without --kv-encrypt. The test process is a client host without the secret.
 
 - P->D across hosts gives a single instance's answers, the KV pulled over TCP;
 - the client can neither pull a prefill's KV nor make the decode instance connect anywhere;
 - the link to P cut in the middle of a 2k-token pull: the answer is still right (recomputed
   within the decode's deadline), and once the link is back both sides end idle;
+- the proxy's link to one decode host cut: every request is answered by the other, the
+  streamed ones showing P's first token once;
 - D's host gone (killed, unplugged) in the middle of a pull: P frees the KV by itself.
 
 Skipped with the reason where hosts cannot be made (not root, no iproute2); CI runs as root."""
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -64,12 +67,13 @@ class Deployment:
         self.network = multihost.Network()
         self.servers: list = []
         try:
-            self.p_host, self.d_host, self.x_host = (self.network.add(n) for n in ("prefill", "decode", "proxy"))
+            self.p_host, self.d_host, self.d2_host, self.x_host = (
+                self.network.add(n) for n in ("prefill", "decode", "decode2", "proxy"))
             made = tmp_path / "secret"
             subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(made)], cwd=REPO, check=True,
                            capture_output=True)
             secrets = {}
-            for host in (self.p_host, self.d_host, self.x_host):
+            for host in (self.p_host, self.d_host, self.d2_host, self.x_host):
                 (tmp_path / host.name).mkdir()
                 secrets[host.name] = str(shutil.copy(made, tmp_path / host.name / "secret"))
             extra = ("--kv-encrypt",) if encrypt else ()
@@ -78,14 +82,15 @@ class Deployment:
                 "--kv-lease-s", str(LEASE_S), "--kv-secret-file", secrets["prefill"], *extra,
                 host=self.p_host, wait=False)
             self.servers.append(self.prefill)
-            self.decode = ServerProcess(
+            self.decode, self.decode2 = (ServerProcess(
                 str(model), *ARGS, "--role", "decode", "--kv-load-timeout-s", str(LOAD_TIMEOUT_S),
-                "--kv-secret-file", secrets["decode"], *extra, host=self.d_host, wait=False)
-            self.servers.append(self.decode)
-            self.prefill.wait_ready()
-            self.decode.wait_ready()
-            self.proxy = ProxyProcess([self.prefill.url], [self.decode.url], "--kv-secret-file", secrets["proxy"],
-                                      "--timeout", str(PROXY_TIMEOUT_S), host=self.x_host)
+                "--kv-secret-file", secrets[host.name], *extra, host=host, wait=False)
+                for host in (self.d_host, self.d2_host))
+            self.servers += [self.decode, self.decode2]
+            for server in self.servers:
+                server.wait_ready()
+            self.proxy = ProxyProcess([self.prefill.url], [self.decode.url, self.decode2.url], "--kv-secret-file",
+                                      secrets["proxy"], "--timeout", str(PROXY_TIMEOUT_S), host=self.x_host)
             self.servers.append(self.proxy)
         except Exception:
             self.close()
@@ -129,9 +134,9 @@ def test_p_to_d_across_hosts_equals_a_single_instance(deployment, single):
     assert params["remote_kv_addr"] == f"tcp://{deployment.p_host.address}:{KV_PORT}"
     assert params["remote_host_id"].startswith("prefill/")
     httpx.post(f"{deployment.prefill.url}/v1/kv/release", json={"kv_transfer_params": params}, timeout=10)
-    assert deployment.decode.status()["kv_transfer"]["bytes"] > 0
-    assert_invariants(deployment.prefill)
-    assert_invariants(deployment.decode)
+    assert deployment.decode.status()["kv_transfer"]["bytes"] + deployment.decode2.status()["kv_transfer"]["bytes"] > 0
+    for server in (deployment.prefill, deployment.decode, deployment.decode2):
+        assert_invariants(server)
 
 
 def test_a_client_without_the_secret_cannot_pull_or_steer(deployment):
@@ -185,8 +190,7 @@ def test_the_link_to_the_prefill_cut_mid_pull_recomputes_within_the_deadline(dep
         started = time.monotonic()
         client = threading.Thread(target=lambda: answer.append(_complete(deployment.proxy.url, prompt)))
         client.start()
-        wait_for(lambda: deployment.decode.status()["requests"]["waiting_for_remote_kv"] == 1, timeout=60,
-                 state=deployment.decode.status)
+        wait_for(lambda: _waiting_for_kv(deployment) == 1, timeout=60)
         deployment.p_host.cut()
         client.join(LOAD_TIMEOUT_S + 60)
         assert answer, "no answer"
@@ -195,13 +199,53 @@ def test_the_link_to_the_prefill_cut_mid_pull_recomputes_within_the_deadline(dep
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == single(prompt)
         assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed
-        assert deployment.decode.status()["kv_transfer"]["failures"]
+        assert deployment.decode.status()["kv_transfer"]["failures"] or deployment.decode2.status()["kv_transfer"]["failures"]
     finally:
         deployment.p_host.plug()
         deployment.p_host.unlimit()
     # Once the link is back both sides end idle (P's send is abandoned or its lease ends).
     assert_invariants(deployment.decode)
+    assert_invariants(deployment.decode2)
     assert_invariants(deployment.prefill, timeout=LEASE_S + 30)
+
+
+def _waiting_for_kv(deployment) -> int:
+    return sum(s.status()["requests"]["waiting_for_remote_kv"] for s in (deployment.decode, deployment.decode2))
+
+
+def _streamed_text(url: str, prompt: list[int]) -> str:
+    text = ""
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += event["choices"][0]["text"]
+    return text
+
+
+def test_a_decode_host_cut_off_from_the_proxy_leaves_the_other_to_answer(deployment, single):
+    """The proxy's connections to decode2 time out (no refusal: the link is down). The first
+    request that tries it pays the connect timeout and goes to the other decode; the rest go
+    there at once. Streamed answers show P's first token once, whichever decode continues."""
+    deployment.d2_host.cut()
+    try:
+        started = time.monotonic()
+        for i in range(4):
+            prompt = _prompt(10 + i, 200)
+            if i % 2:
+                assert _streamed_text(deployment.proxy.url, prompt) == single(prompt)
+            else:
+                resp = _complete(deployment.proxy.url, prompt)
+                assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == single(prompt), resp.text
+        assert time.monotonic() - started < 4 * 5 + 10  # at most one connect timeout (5 s) paid
+    finally:
+        deployment.d2_host.plug()
+    wait_for(lambda: deployment.decode2.status()["requests"]["in_flight_http"] == 0, timeout=30)
+    for server in (deployment.prefill, deployment.decode, deployment.decode2):
+        assert_invariants(server)
 
 
 def test_the_decode_host_gone_mid_pull_leaves_the_prefill_clean(deployment):
@@ -210,14 +254,17 @@ def test_the_decode_host_gone_mid_pull_leaves_the_prefill_clean(deployment):
     abandons the send and frees the KV; the client gets an error at the proxy's deadline."""
     prompt = _prompt(4, 2000)
     deployment.d_host.limit("1mbit")
+    deployment.d2_host.limit("1mbit")
     answer: list = []
     client = threading.Thread(target=lambda: answer.append(_complete_or_error(deployment.proxy.url, prompt)))
     client.start()
-    wait_for(lambda: deployment.decode.status()["requests"]["waiting_for_remote_kv"] == 1, timeout=60,
-             state=deployment.decode.status)
+    wait_for(lambda: _waiting_for_kv(deployment) == 1, timeout=60)
+    victim, host = ((deployment.decode, deployment.d_host)
+                    if deployment.decode.status()["requests"]["waiting_for_remote_kv"] else
+                    (deployment.decode2, deployment.d2_host))
     gone = time.monotonic()
-    deployment.d_host.cut()
-    deployment.decode.kill()
+    host.cut()
+    victim.kill()
     assert_invariants(deployment.prefill, timeout=LEASE_S + 30)
     client.join(PROXY_TIMEOUT_S + 30)
     assert answer and time.monotonic() - gone < PROXY_TIMEOUT_S + 30

@@ -1,7 +1,9 @@
 """Generated scheduler histories: hypothesis drives the real Scheduler + KVCacheManager with a
 fake connector whose loads arrive late, fail or never come (until their deadline), whose
 lookups are answered a few steps late, with aborts, preemption, prefix hits and random pool
-sizes. A FakeWorker "computes" KV into the paged blocks and checks that every token a request
+sizes; and, on the producer side, hand-offs (a prefill's requests that end after their first
+token with their KV held on offer) that a decode pulls, a router releases (at any moment, also
+twice or for requests that hold nothing), or everyone abandons until the lease ends. A FakeWorker "computes" KV into the paged blocks and checks that every token a request
 attends to is really there, so a request that runs over KV that never arrived fails at once.
 
 After every step: block ownership and ref counts agree, free + used = total, every holder of
@@ -30,6 +32,7 @@ from tests.scheduler_utils import EOS, FakeWorker, assert_scheduler_empty, check
 
 EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "400"))
 LOAD_DEADLINE_STEPS = 12  # a load that "never comes" fails after this many steps
+LEASE_STEPS = 15  # an offer nobody pulls or releases is freed after this many steps
 PREFIXES = [[1000 + i for i in range(64)], [2000 + i for i in range(64)]]
 
 
@@ -64,6 +67,11 @@ class FakeConnector(KVConnectorScheduler):
         self.new_loads: list[Load] = []
         self.cancels: list[str] = []
         self.requests: dict[str, Request] = {}
+        self.offering: dict[str, tuple[str, int]] = {}  # hand-offs: request -> (fate, steps until it)
+        # Offers held: request -> [fate, steps left]; "pulled", "released" (the test's router
+        # releases it when due), "abandoned" (the lease), "withdrawn" (let go of next step).
+        self.offers: dict[str, list] = {}
+        self.offers_kv = True
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         plan = self.plans.get(request.request_id)
@@ -92,6 +100,16 @@ class FakeConnector(KVConnectorScheduler):
 
     def request_finished(self, request, block_ids):
         req_id = request.request_id
+        offering = self.offering.pop(req_id, None)
+        if offering is not None:
+            fate, steps = offering
+            if request.status not in (RequestStatus.FINISHED_HANDED_OFF, RequestStatus.FINISHED_LENGTH,
+                                      RequestStatus.FINISHED_STOPPED):
+                if request.num_computed_tokens < request.num_prompt_tokens:
+                    return False, None  # ended before its KV went on offer: nothing held
+                fate, steps = "withdrawn", 1  # aborted or failed: nobody is told where the KV is
+            self.offers[req_id] = [fate, steps if fate != "abandoned" else LEASE_STEPS]
+            return True, None
         self.plans.pop(req_id, None)
         self.consumed.discard(req_id)
         self.lookups_pending.pop(req_id, None)
@@ -104,12 +122,24 @@ class FakeConnector(KVConnectorScheduler):
     def transfer_done(self, req_id, failed=False):
         self.loading.discard(req_id)
 
+    def withdraw(self, req_id):
+        """A router's release: the worker lets go at the next step (it may be sending: True)."""
+        offer = self.offers.get(req_id)
+        if offer is None:
+            return False
+        offer[:] = ["withdrawn", 1]
+        return True
+
+    def send_done(self, req_id):
+        self.offers.pop(req_id, None)
+
     def update_connector_output(self, output):
         for req_id in list(self.lookups_pending):
             self.lookups_pending[req_id] = max(0, self.lookups_pending[req_id] - 1)
 
     def num_tracked_requests(self):
-        return len(self.plans) + len(self.consumed) + len(self.loading) + len(self.lookups_pending)
+        return (len(self.plans) + len(self.consumed) + len(self.loading) + len(self.lookups_pending)
+                + len(self.offering) + len(self.offers))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -135,9 +165,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prefix=st.sampled_from([0, 1, None]), prefix_len=st.integers(0, 40), tail=st.integers(1, 24),
           max_tokens=st.integers(1, 12), remote=st.integers(0, 64),
           outcome=st.sampled_from(["ok", "ok", "fail", "never"]), delay=st.integers(0, 4),
-          lookup_delay=st.sampled_from([0, 0, 1, 3]), n=st.integers(1, 3))
-    def add(self, prefix, prefix_len, tail, max_tokens, remote, outcome, delay, lookup_delay, n):
+          lookup_delay=st.sampled_from([0, 0, 1, 3]), n=st.integers(1, 3),
+          hand_off=st.sampled_from([None, None, "pulled", "released", "abandoned"]))
+    def add(self, prefix, prefix_len, tail, max_tokens, remote, outcome, delay, lookup_delay, n, hand_off=None):
         base = [] if prefix is None else PREFIXES[prefix][:prefix_len]
+        hand_off = hand_off if not remote else None  # a prefill's requests load nothing themselves
         leader = None
         prompt = base + [5000 + 100 * (self.next_id + 1) + j for j in range(tail)]  # the n samples share it
         for _ in range(n):
@@ -145,8 +177,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.next_id += 1
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             request = Request(req_id, prompt, params, frozenset({EOS}), max_tokens, self.hasher,
-                              kv_leader=leader)
+                              kv_leader=leader, hands_off=hand_off is not None)
+            if hand_off is not None:
+                self.connector.offering[req_id] = (hand_off, delay)
             self.scheduler.add_request(request)
+            if hand_off is not None and req_id not in self.scheduler.requests:  # rejected at once
+                self.connector.offering.pop(req_id, None)
             self.live.add(req_id)
             if leader is None and remote and req_id in self.scheduler.requests:  # not rejected at once
                 self.connector.plans[req_id] = Plan(remote, outcome, delay if outcome != "never" else
@@ -161,6 +197,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
         self.live.discard(req_id)
         self.finished[req_id] = "abort"
+
+    @rule(pick=st.integers(0, 63))
+    def router_release(self, pick):
+        """A router's release of any request's offer, whatever state it is in (held, running,
+        finished, released before): harmless unless it holds an offer, which it frees."""
+        if self.next_id:
+            self.scheduler.withdraw_kv(f"r{pick % self.next_id}")
 
     @rule()
     def step(self):
@@ -210,6 +253,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 f"waiting={[(r.request_id, r.status.name, r.num_computed_tokens, r.num_tokens) for r in s.waiting]} "
                 f"free={self.kv.pool.num_free_blocks}/{self.kv.num_blocks} loads={[l.req_id for l in self.loads]}")
         assert not self.live, f"never finished: {sorted(self.live)}"
+        assert not self.connector.offers, f"offers never freed: {self.connector.offers}"
         assert_scheduler_empty(self.scheduler)
         assert self.connector.num_tracked_requests() == 0
 
@@ -233,6 +277,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _resolve_loads(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
+        for req_id, offer in list(self.connector.offers.items()):  # the world's side of hand-offs
+            assert req_id in self.scheduler.held and req_id in self.kv.req_to_blocks, \
+                f"{req_id}'s offer is held, its blocks are not"
+            if offer[1] > 0:
+                offer[1] -= 1
+            elif offer[0] == "released":
+                self.scheduler.withdraw_kv(req_id)  # the router's release: let go of next step
+            else:  # pulled, abandoned at the lease's end, or let go of after a release
+                out.finished_sending.add(req_id)
         still = []
         for load in self.loads:
             if load.req_id in self.cancelled:
