@@ -73,11 +73,13 @@ class Host:
     def plug(self) -> None:
         _run("ip", "link", "set", self.link, "up")
 
-    def limit(self, rate: str) -> None:
-        """At most ``rate`` (tc's units: ``100mbit``, ``1gbit``) in and out of this host."""
+    def limit(self, rate: str, burst: str = "256kb") -> None:
+        """At most ``rate`` (tc's units: ``100mbit``, ``1gbit``) in and out of this host, after
+        a first ``burst`` at full speed (tbf needs at least rate/HZ of it: 256 KB carries 1 Gbit/s;
+        give slow links a small one, or their first 256 KB cross at once)."""
         for prefix, dev in (((), self.link), (("ip", "netns", "exec", self.ns), "eth0")):
             _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                 "burst", "256kb", "latency", "100ms")
+                 "burst", burst, "latency", "100ms")
 
     def unlimit(self) -> None:
         for prefix, dev in (((), self.link), (("ip", "netns", "exec", self.ns), "eth0")):
