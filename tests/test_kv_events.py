@@ -237,6 +237,15 @@ class _KVEventBatch020(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     data_parallel_rank: Optional[int] = None
 
 
+def vllm_subscriber(server: ServerProcess) -> _Subscriber:
+    """A subscriber of an instance started with --kv-events (ports from its /status), decoding
+    vLLM 0.20's events with integer hashes."""
+    info = server.status()["kv_events"]
+    sub = _Subscriber(*(int(info[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint")))
+    sub.decoder = msgspec.msgpack.Decoder(_KVEventBatch020)
+    return sub
+
+
 def test_kv_events_with_vllm_hashes_match_what_a_router_computes(tiny_llama, monkeypatch):
     """--kv-events (ports the instance chooses, shown in /status) with --prefix-caching-hash-algo
     sha256_cbor: every block the events announce is one a router computes from the prompt with
@@ -250,9 +259,7 @@ def test_kv_events_with_vllm_hashes_match_what_a_router_computes(tiny_llama, mon
     info = server.status()["kv_events"]
     # vLLM's root is H(PYTHONHASHSEED): never shown (the seed would be found from it).
     assert info["hash_algo"] == "sha256_cbor" and info["block_size"] == 16 and info["root_block_hash"] is None
-    pub, replay = (int(info[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint"))
-    sub = _Subscriber(pub, replay)
-    sub.decoder = msgspec.msgpack.Decoder(_KVEventBatch020)
+    sub = vllm_subscriber(server)
     router = KVRouter()
     try:
         monkeypatch.setenv("PYTHONHASHSEED", "0")  # the router shares the instances' seed

@@ -11,7 +11,6 @@ import types
 import time
 
 import httpx
-import msgspec
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,7 +22,7 @@ from engine.kv_transfer.stores.disk import DiskStore
 from engine.kv_transfer.tier_events import ChunkNames, TierEvents
 from tests.conftest import AUTO_DTYPE_BYTES
 from tests.server_utils import ServerProcess
-from tests.test_kv_events import _KVEventBatch020, _Subscriber
+from tests.test_kv_events import vllm_subscriber
 
 FMT = ChunkFormat("fp", torch.float32, (1, 2, 4, 2, 1, 2))  # 4 blocks per chunk, 128 bytes
 CHUNK_BYTES = FMT.nbytes
@@ -182,9 +181,7 @@ def test_a_server_announces_its_tiers_and_the_router_finds_an_offloaded_prefix(t
                            "--kv-store", f"cpu:{3 * chunk_bytes},disk:{tmp_path}:1GiB", "--kv-chunk-tokens", "32",
                            "--prefix-caching-hash-algo", "sha256_cbor", env={"PYTHONHASHSEED": "0"})
     info = server.status()["kv_events"]
-    pub, replay = (int(info[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint"))
-    sub = _Subscriber(pub, replay)
-    sub.decoder = msgspec.msgpack.Decoder(_KVEventBatch020)
+    sub = vllm_subscriber(server)
     router = KVRouter()
     try:
         monkeypatch.setenv("PYTHONHASHSEED", "0")  # the router shares the instances' seed
