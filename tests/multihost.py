@@ -11,12 +11,14 @@ Needs root, iproute2 and tc; ``unavailable()`` says why not (the tests then skip
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
 
-# Names must fit the kernel's 15 characters: "e<4 digits>v<2 digits>" at most.
+# Names must fit the kernel's 15 characters: "e<4 digits>n<network>v<host>" stays under them.
 _TAG = f"e{os.getpid() % 10000}"
+_NETWORKS = itertools.count()
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -44,13 +46,14 @@ def unavailable() -> str | None:
 class Host:
     def __init__(self, network: "Network", name: str, index: int) -> None:
         self.name = name
-        self.ns = f"{_TAG}-{name}"
+        self.ns = f"{network.tag}-{name}"
         self.address = f"{network.subnet}.{index}"
-        self.link = f"{_TAG}v{index}"  # its cable's end on the bridge (in the root namespace)
+        self.link = f"{network.tag}v{index}"  # its cable's end on the bridge (in the root namespace)
+        self._inner = f"{network.tag}i{index}"
         self._bridge = network.bridge
 
     def create(self) -> None:
-        inner = f"{_TAG}i{self.link.rpartition('v')[2]}"
+        inner = self._inner
         _run("ip", "netns", "add", self.ns)
         _run("ip", "link", "add", inner, "type", "veth", "peer", "name", self.link)
         _run("ip", "link", "set", inner, "netns", self.ns)
@@ -90,9 +93,10 @@ class Network:
     """A bridge and the hosts on it (``add``); the root namespace is on it too, as the client."""
 
     def __init__(self) -> None:
-        pid = os.getpid()
-        self.subnet = f"10.{200 + pid % 50}.{pid % 250}"
-        self.bridge = f"{_TAG}br"
+        pid, number = os.getpid(), next(_NETWORKS)  # several may exist at once in one process
+        self.tag = f"{_TAG}n{number % 100}"
+        self.subnet = f"10.{200 + pid % 50}.{(pid * 7 + number) % 250}"
+        self.bridge = f"{self.tag}br"
         self.client_address = f"{self.subnet}.254"
         self.hosts: list[Host] = []
         try:

@@ -9,7 +9,8 @@ and without --kv-encrypt. The test process is a client host without the secret.
   within the decode's deadline), and once the link is back both sides end idle;
 - the proxy's link to one decode host cut: every request is answered by the other, the
   streamed ones showing P's first token once;
-- D's host gone (killed, unplugged) in the middle of a pull: P frees the KV by itself.
+- D's host gone (killed, unplugged) in the middle of a pull: P frees the KV by itself;
+- a Redis tier on its own host partitioned away: skipped within its timeout, back with the link.
 
 Skipped with the reason where hosts cannot be made (not root, no iproute2); CI runs as root."""
 from __future__ import annotations
@@ -286,3 +287,48 @@ def _complete_or_error(url: str, prompt: list[int]):
         return _complete(url, prompt).status_code
     except httpx.HTTPError as exc:
         return exc
+
+
+def test_redis_partitioned_away_is_skipped_and_comes_back(model, single, tmp_path):
+    """A shared Redis tier on its own host, the engine on another. The link to Redis is cut (no
+    refusal: calls hang until their 1 s timeout): the engine keeps answering, right and without
+    stalling, the tier off; once the link is back the tier turns on again and stores."""
+    network = multihost.Network()
+    redis_proc = engine = None
+    try:
+        redis_host, engine_host = network.add("redis"), network.add("engine")
+        redis_proc = subprocess.Popen(redis_host.command(
+            ["redis-server", "--bind", redis_host.address, "--port", "6379", "--save", "", "--appendonly", "no",
+             "--protected-mode", "no"]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        secret = tmp_path / "secret"
+        subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(secret)], cwd=REPO, check=True,
+                       capture_output=True)
+        engine = ServerProcess(str(model), *ARGS, "--kv-store", f"redis://{redis_host.address}:6379/0",
+                               "--kv-chunk-tokens", "64", "--kv-secret-file", str(secret), host=engine_host)
+        stored = lambda: engine.status()["kv_store"]["redis"]["bytes_stored"]  # noqa: E731
+        first = _prompt(20, 300)
+        assert _complete(engine.url, first).json()["choices"][0]["text"] == single(first)
+        wait_for(lambda: stored() > 0, timeout=30, state=engine.status)
+        redis_host.cut()
+        try:
+            for i, prompt in enumerate([first, _prompt(21, 300), _prompt(22, 300)]):
+                started = time.monotonic()
+                resp = _complete(engine.url, prompt)
+                assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == single(prompt)
+                assert time.monotonic() - started < 10, f"request {i} stalled on the cut-off Redis"
+            wait_for(lambda: "unavailable" in engine.log_path.read_text(), timeout=30)
+        finally:
+            redis_host.plug()
+        wait_for(lambda: "is back" in engine.log_path.read_text(), timeout=30)
+        before = stored()
+        later = _prompt(23, 300)
+        assert _complete(engine.url, later).json()["choices"][0]["text"] == single(later)
+        wait_for(lambda: stored() > before, timeout=30, state=engine.status)
+        assert_invariants(engine)
+    finally:
+        if engine is not None and engine.proc.poll() is None:
+            engine.stop()
+        if redis_proc is not None:
+            redis_proc.kill()
+            redis_proc.wait(10)
+        network.close()
