@@ -22,8 +22,8 @@ from engine.kv_events import KVEventPublisher
 from engine.errors import InvalidRequestError, PrefillElsewhere
 from engine.engine_core import EngineCore
 from engine.kv_transfer.params import KVTransferParamsError
-from engine.ipc import (Ack, AbortRequests, AddRequest, EngineDead, EngineInfo, EngineStats, Outputs, ReleaseOffer,
-                        Shutdown, StopSequences, TierStats, ToCore, remove_ipc_dir)
+from engine.ipc import (Ack, AbortRequests, AddRequest, EngineDead, EngineInfo, EngineStats, Outputs, PeerPulls,
+                        ReleaseOffer, Shutdown, StopSequences, TierStats, ToCore, remove_ipc_dir)
 from engine.outputs import EngineCoreOutput
 
 logger = logging.getLogger("engine.core")
@@ -103,6 +103,7 @@ class EngineCoreProc:
             kv_transfer_bytes=connector.transfer_bytes, kv_transfer_failures=connector.transfer_failures,
             kv_transfer_seconds=connector.transfer_seconds, kv_auth_failures=connector.auth_failures,
             kv_store={tier: TierStats(**t) for tier, t in connector.stores.items()},
+            kv_pulls={peer: PeerPulls(**p) for peer, p in connector.pulls.items()},
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks, kv_cache_usage=kv.usage,

@@ -496,5 +496,5 @@ class EngineCore:
         stats = self.kv_connector_stats
         self.kv_connector_stats = KVConnectorStats(
             stats.transfer_bytes, stats.transfer_failures, [], stats.auth_failures,
-            {tier: {**s, "load_seconds": []} for tier, s in stats.stores.items()})
+            {tier: {**s, "load_seconds": []} for tier, s in stats.stores.items()}, stats.pulls)
         return stats

@@ -135,6 +135,14 @@ class TierStats(msgspec.Struct):
     rejected: dict[str, int] = {}  # entries refused on read and deleted, by reason (bad_tag, corrupt, wrong_format)
 
 
+class PeerPulls(msgspec.Struct):
+    """KV pulled from one producer since start (whole blocks: tokens rounded up to them)."""
+    pulls: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 class EngineStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
@@ -157,6 +165,7 @@ class EngineStats(msgspec.Struct):
     # Durations of transfers that completed since the previous stats message.
     kv_transfer_seconds: list[float] = []
     kv_store: dict[str, TierStats] = {}  # per KV store tier ("cpu", "disk", "redis")
+    kv_pulls: dict[str, PeerPulls] = {}  # per producer's KV address
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

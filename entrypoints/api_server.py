@@ -706,7 +706,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
                 "num_preemptions": stats.num_preemptions,
                 "kv_transfer": {"blocks_held": stats.kv_blocks_held, "bytes": stats.kv_transfer_bytes,
                                 "failures": stats.kv_transfer_failures,
-                                "auth_failures": stats.kv_auth_failures},
+                                "auth_failures": stats.kv_auth_failures,
+                                "pulls": {peer: msgspec.structs.asdict(p) for peer, p in stats.kv_pulls.items()}},
                 "kv_store": {tier: {"hits": t.hits, "misses": t.misses, "bytes_stored": t.bytes_stored,
                                     "bytes_loaded": t.bytes_loaded, "used_bytes": t.used_bytes,
                                     "rejected": t.rejected}

@@ -270,7 +270,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         logging.getLogger("engine").info("proxy on http://%s:%d: replicas %s, %s routing", args.host, args.port,
                                          args.instance, args.routing)
     else:
-        proxy = Proxy(args.prefill, args.decode, args.routing, args.timeout, disagg=disagg, router=router)
+        proxy = Proxy(args.prefill, args.decode, args.routing, args.timeout, disagg=disagg, router=router,
+                      transfer_weight=args.transfer_weight)
         logging.getLogger("engine").info(
             "proxy on http://%s:%d: prefill %s -> decode %s, %s routing; %s", args.host, args.port, args.prefill,
             args.decode, args.routing,
@@ -494,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
                          "loaded one, whatever it holds (default 8)")
     px.add_argument("--kv-secret-file", default=None, metavar="PATH",
                     help="kv-aware: the deployment secret, to read the instances' KV events (or ENGINE_KV_SECRET)")
+    px.add_argument("--transfer-weight", type=float, default=10.0, metavar="REQUESTS",
+                    help="a hand-off goes to the decode instance with the least load plus this many open requests "
+                         "per second its KV pull is expected to take beyond the fastest path's, as the decode "
+                         "instances measured their recent pulls (default 10; 0: ignore link speed)")
     px.add_argument("--timeout", type=float, default=300.0,
                     help="deadline in seconds for each upstream call (between chunks when streaming)")
     add_disagg_policy_args(px)

@@ -314,9 +314,10 @@ class KVRouter:
         return PromptBlocks(len(token_ids), {key: hasher.prompt_hashes(token_ids, cache_salt)  # watch() may add
                                              for key, hasher in list(self.hashers.items())})
 
-    def choose(self, candidates: list, prompt: "PromptBlocks | None"):
+    def choose(self, candidates: list, prompt: "PromptBlocks | None", extra: dict[str, float] | None = None):
         """(the upstream with the lowest cost, predicted cached tokens there). ``candidates``
-        have ``url`` and ``in_flight``, in tie-breaking order."""
+        have ``url`` and ``in_flight``, in tie-breaking order; ``extra``: load to add per url
+        (a hand-off's slow path: engine proxy's transfer_load), weighed as in-flight requests."""
         best, best_cost, best_hit = None, None, 0
         # However much it holds, an instance with max_skew more open requests than the least
         # loaded one is passed over: a hot shared prefix must not pile everything on one replica.
@@ -328,7 +329,8 @@ class KVRouter:
             key, index = self.hasher_keys.get(upstream.url), self.indexes.get(upstream.url)
             if prompt is not None and key is not None and index is not None:
                 hit = index.prefix_blocks(prompt.by_hasher.get(key, [])) * key[1]
-            cost = ((prompt.num_tokens if prompt else 0) - hit) + self.load_weight * upstream.in_flight
+            load = upstream.in_flight + (extra or {}).get(upstream.url, 0.0)
+            cost = ((prompt.num_tokens if prompt else 0) - hit) + self.load_weight * load
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = upstream, cost, hit
         return best, best_hit

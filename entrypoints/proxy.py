@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from entrypoints.kv_paths import TransferPaths
 from entrypoints.kv_router import KVRouter, PromptBlocks
 from entrypoints.protocol import (
     FIRST_TOKENS_SHOWN,
@@ -59,6 +60,7 @@ from entrypoints.protocol import (
 logger = logging.getLogger("engine.proxy")
 STATUS_POLL_S = 3.0  # how often kv-aware routing re-reads each instance's /status
 PREFILL_POLL_S = 0.5  # how often the prefill instances' held hand-offs are read
+TRANSFER_POLL_S = 1.0  # how often the decode instances' pull totals are read (entrypoints/kv_paths.py)
 # An upstream that could not be connected to goes to the end of the order for this long: while a
 # link is cut (no refusal, only a connect timeout), requests go to the others without each
 # paying that timeout first. It stays a last resort, and is tried first again after.
@@ -131,10 +133,13 @@ def error_response(status: int, message: str, kind: str = "upstream_error", para
 class Proxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
                  timeout: float = 300.0, connect_timeout: float = 5.0,
-                 disagg: DisaggPolicy = DisaggPolicy(), router: KVRouter | None = None) -> None:
+                 disagg: DisaggPolicy = DisaggPolicy(), router: KVRouter | None = None,
+                 transfer_weight: float = 10.0) -> None:
         """``prefill_urls`` empty: ``decode_urls`` are plain replicas (engine proxy --instance),
         each serving whole requests. ``policy``: least-loaded, round-robin or kv-aware (then
-        ``router`` follows the KV events of the decode instances or replicas)."""
+        ``router`` follows the KV events of the decode instances or replicas). A hand-off goes
+        to the decode instance with the least load plus ``transfer_weight`` per second its pull
+        is expected to take beyond the fastest path's (entrypoints/kv_paths.py; 0: ignored)."""
         if not decode_urls:
             raise ValueError("the proxy needs --instance URLs, or at least one --prefill and one --decode URL")
         if policy not in ("least-loaded", "round-robin", "kv-aware"):
@@ -143,12 +148,19 @@ class Proxy:
         self.decodes = [Upstream(u.rstrip("/")) for u in decode_urls]
         self.policy = policy
         self.disagg = disagg
+        if transfer_weight < 0:
+            raise ValueError("--transfer-weight must be >= 0")
+        self.transfer_weight = transfer_weight
+        self.paths = TransferPaths()
         self.router = router if policy == "kv-aware" else None
         if policy == "kv-aware" and self.router is None:
             self.router = KVRouter()
         self.decisions: Counter[tuple[str, str]] = Counter({d: 0 for d in DECISIONS})
         self.timeout = timeout
-        self._rr = itertools.count()
+        # Round robin (and least-loaded's ties) per kind of choice: a request makes several
+        # (its prefill, a local attempt, its hand-off), and one shared turn would then send
+        # every hand-off to the same instance whenever their number divides the pool's size.
+        self._turns: dict[str, itertools.count] = {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
                                       # Idle connections are dropped well before the instances' uvicorn
                                       # closes them (5 s): reusing one it is closing fails the request
@@ -157,22 +169,24 @@ class Proxy:
                                                           keepalive_expiry=2.0))
         self._background: set[asyncio.Task] = set()  # KV releases on their way (see release)
 
-    def ordered(self, pool: list[Upstream]) -> list[Upstream]:
-        """Candidates in the order to try them: least loaded first (ties round robin), those
-        that could not be reached lately last."""
-        start = next(self._rr) % len(pool)
+    def ordered(self, pool: list[Upstream], turn: str, extra: dict[str, float] | None = None) -> list[Upstream]:
+        """Candidates in the order to try them: least loaded first (ties round robin among the
+        choices of one ``turn``), those that could not be reached lately last. ``extra``: load to
+        add per url (a slow path's)."""
+        start = next(self._turns.setdefault(turn, itertools.count())) % len(pool)
         rotated = pool[start:] + pool[:start]
         if self.policy != "round-robin":
-            rotated = sorted(rotated, key=lambda u: u.load)
+            rotated = sorted(rotated, key=lambda u: u.load + (extra or {}).get(u.url, 0.0))
         return sorted(rotated, key=lambda u: u.down)
 
-    def pick(self, pool: list[Upstream], prompt: PromptBlocks | None) -> Upstream:
+    def pick(self, pool: list[Upstream], prompt: PromptBlocks | None, turn: str,
+             extra: dict[str, float] | None = None) -> Upstream:
         """Where to serve: with kv-aware routing the instance holding most of the prompt,
         traded against load (entrypoints/kv_router.py); else the first of ``ordered``."""
-        ordered = self.ordered(pool)
+        ordered = self.ordered(pool, turn, extra)
         if self.router is None:
             return ordered[0]
-        upstream, hit = self.router.choose([u for u in ordered if not u.down] or ordered, prompt)
+        upstream, hit = self.router.choose([u for u in ordered if not u.down] or ordered, prompt, extra)
         self.router.count(upstream.url, prompt, hit)
         return upstream
 
@@ -184,7 +198,7 @@ class Proxy:
             return None
         probe = {k: body[k] for k in ("model", "prompt", "messages", "chat_template", "add_generation_prompt")
                  if k in body}
-        for upstream in self.ordered(self.decodes)[:2]:
+        for upstream in self.ordered(self.decodes, "tokenize")[:2]:
             try:
                 resp = await self.http.post(f"{upstream.url}/tokenize", json=probe, headers=headers, timeout=10)
             except httpx.HTTPError:
@@ -218,6 +232,33 @@ class Proxy:
                 upstream.held, upstream.handed = held, 0
                 upstream.polls += 1
             await asyncio.sleep(PREFILL_POLL_S)
+
+    async def watch_transfers(self) -> None:
+        """Every TRANSFER_POLL_S, each decode instance's pull totals per prefill instance (its
+        /status kv_transfer.pulls), for the proxy's life: what ``transfer_load`` weighs."""
+        while True:
+            for upstream in self.decodes:
+                try:
+                    resp = await self.http.get(f"{upstream.url}/status", timeout=5)
+                    if resp.status_code == 200:
+                        self.paths.observe(upstream.url, resp.json()["kv_transfer"].get("pulls"))
+                except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                    pass  # not up, or not an engine of this release: its paths stay unknown
+            await asyncio.sleep(TRANSFER_POLL_S)
+
+    def transfer_load(self, params) -> dict[str, float]:
+        """Per decode url, the load a hand-off's pull adds beyond the fastest path's: its
+        expected extra seconds times ``transfer_weight``."""
+        offers = [p for p in (params if isinstance(params, list) else [params])
+                  if isinstance(p, dict) and p.get("do_remote_prefill")]
+        if not offers or not self.transfer_weight:
+            return {}
+        peer = offers[0].get("remote_kv_addr")
+        tokens = sum(p.get("num_tokens") or 0 for p in offers if isinstance(p.get("num_tokens"), int))
+        if not isinstance(peer, str) or not tokens:
+            return {}
+        excess = self.paths.excess_seconds([u.url for u in self.decodes], peer, tokens)
+        return {url: seconds * self.transfer_weight for url, seconds in excess.items()}
 
     async def watch_instances(self) -> None:
         """Follow the KV events of every decode instance (or replica) that publishes them, as
@@ -258,7 +299,7 @@ class Proxy:
         p_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         p_body.pop("stream_options", None)
         dropped = 0  # instances that dropped the connection mid-request: resent once at most
-        for upstream in self.ordered(self.prefills):
+        for upstream in self.ordered(self.prefills, "prefill"):
             upstream.in_flight += 1
             try:
                 resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
@@ -363,6 +404,7 @@ class Proxy:
             return JSONResponse(answer, headers={"X-Request-Id": request_id})
         d_body = {**body, "kv_transfer_params": params}
         taken = prefilled_on.hand_off()  # held there until D pulls it
+        extra = self.transfer_load(params)
 
         def unused() -> None:  # D never took the hand-off
             taken()
@@ -370,10 +412,10 @@ class Proxy:
         if body.get("stream"):
             # The client has the first tokens: D's stream goes on after them.
             headers = {**headers, FIRST_TOKENS_SHOWN: "1"}
-            return await self._stream_decode(prompt, path, d_body, headers, request_id, first, unused, taken)
+            return await self._stream_decode(prompt, path, d_body, headers, request_id, first, unused, taken, extra)
         try:
             answer = await self._on_a_decode(prompt, lambda upstream: _until_disconnect(
-                raw, self._decode(upstream, path, d_body, headers)))
+                raw, self._decode(upstream, path, d_body, headers)), "hand-off", extra)
         finally:
             taken()  # D answered (it pulled the KV first), or failed (released below)
         answer = answer.response if isinstance(answer, _Unreachable) else answer
@@ -393,7 +435,7 @@ class Proxy:
         it declined (the body carried max_local_prefill_tokens and more of the prompt is
         uncached there). An instance that cannot be reached is replaced by the next best one
         (nothing was sent to the client yet)."""
-        answer = await self._on_a_decode(prompt, lambda u: self._serve_on(u, raw, path, body, headers))
+        answer = await self._on_a_decode(prompt, lambda u: self._serve_on(u, raw, path, body, headers), "local")
         return answer.response if isinstance(answer, _Unreachable) else answer
 
     async def _serve_on(self, upstream: Upstream, raw: Request, path: str, body: dict,
@@ -471,12 +513,13 @@ class Proxy:
             # Also runs when the client disconnects: closing aborts the request on D.
             await opened.close()
 
-    async def _on_a_decode(self, prompt: PromptBlocks | None, call):
+    async def _on_a_decode(self, prompt: PromptBlocks | None, call, turn: str,
+                           extra: dict[str, float] | None = None):
         """``call(upstream)`` on the best decode instance; one that cannot be reached (nothing
         was sent to it) is replaced by the next best, until none is left."""
         candidates = self.decodes
         while True:
-            upstream = self.pick(candidates, prompt)
+            upstream = self.pick(candidates, prompt, turn, extra)
             answer = await call(upstream)
             if not isinstance(answer, _Unreachable):
                 return answer
@@ -485,7 +528,8 @@ class Proxy:
                 return answer
 
     async def _stream_decode(self, prompt: PromptBlocks | None, path: str, body: dict, headers: dict,
-                             request_id: str, first: "FirstTokens", unused, taken) -> Response:
+                             request_id: str, first: "FirstTokens", unused, taken,
+                             extra: dict[str, float]) -> Response:
         async def relay():
             opened = None
             try:
@@ -493,7 +537,8 @@ class Proxy:
                 if first.chat:
                     yield first.role_chunk()
                 yield first.continuing_chunk()
-                opened = await self._on_a_decode(prompt, lambda u: self._open_stream(u, path, body, headers))
+                opened = await self._on_a_decode(prompt, lambda u: self._open_stream(u, path, body, headers),
+                                                 "hand-off", extra)
             finally:
                 if not isinstance(opened, _OpenStream):  # D never took the hand-off, or the client left first
                     unused()
@@ -677,9 +722,11 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
     async def lifespan(_: FastAPI):
         watcher = asyncio.create_task(proxy.watch_instances()) if proxy.router is not None else None
         prefills = asyncio.create_task(proxy.watch_prefills()) if proxy.prefills else None
+        transfers = asyncio.create_task(proxy.watch_transfers()) if proxy.prefills else None
         yield
         if prefills is not None:
             prefills.cancel()
+            transfers.cancel()
         if watcher is not None:
             watcher.cancel()
             proxy.router.stop()
@@ -724,6 +771,7 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
                 "prefill": [{"url": u.url, "in_flight": u.in_flight, "held": u.held + u.handed}
                             for u in proxy.prefills],
                 "decode": [{"url": u.url, "in_flight": u.in_flight} for u in proxy.decodes],
+                "transfer_weight": proxy.transfer_weight, "transfer_paths": proxy.paths.status(),
                 "kv_routing": proxy.router.status() if proxy.router is not None else None}
 
     registry = CollectorRegistry()

@@ -10,7 +10,10 @@ and without --kv-encrypt. The test process is a client host without the secret.
 - the proxy's link to one decode host cut: every request is answered by the other, the
   streamed ones showing P's first token once;
 - D's host gone (killed, unplugged) in the middle of a pull: P frees the KV by itself;
-- a Redis tier on its own host partitioned away: skipped within its timeout, back with the link.
+- the proxy's hand-offs avoid a decode host behind a slow link, once it has seen a pull cross it;
+- over a rate-limited link the second token (D's first) comes bytes / rate after P's first;
+- a Redis tier on its own host partitioned away: skipped within its timeout, back with the link;
+- P's host gone after its answer: D loads the prompt from the shared Redis tier instead.
 
 Skipped with the reason where hosts cannot be made (not root, no iproute2); CI runs as root."""
 from __future__ import annotations
@@ -253,6 +256,81 @@ def test_a_decode_host_cut_off_from_the_proxy_leaves_the_other_to_answer(deploym
         assert_invariants(server)
 
 
+def _pulls(server) -> dict:
+    return server.status()["kv_transfer"]["pulls"]
+
+
+def _paths(deployment) -> dict[str, float | None]:
+    """The proxy's estimate per decode url: seconds per 1k tokens pulled from the prefill."""
+    status = httpx.get(f"{deployment.proxy.url}/status", timeout=10).json()
+    return {p["decode"]: p["seconds_per_1k_tokens"] for p in status["transfer_paths"]}
+
+
+def test_the_proxy_sends_hand_offs_around_a_slow_link(deployment, single):
+    """decode2's link limited to 2 Mbit/s: a 1000-token prompt's KV takes about 2 s there and
+    next to nothing to decode. Once the proxy has seen a pull over each path (the decode
+    instances' pull totals, which it polls), its hand-offs go to decode, though both are idle."""
+    fast, slow = deployment.decode, deployment.decode2
+    seeds = iter(range(100, 200))
+
+    def served(n: int) -> None:
+        for _ in range(n):
+            prompt = _prompt(next(seeds), 1000)
+            resp = _complete(deployment.proxy.url, prompt)
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == single(prompt), resp.text
+
+    def slow_path_seen() -> bool:
+        estimates = _paths(deployment)
+        known = estimates.get(fast.url), estimates.get(slow.url)
+        return None not in known and known[1] > 5 * known[0]
+
+    deployment.d2_host.limit("2mbit", burst="16kb")
+    try:
+        for _ in range(10):  # until a pull has crossed the slow link and the proxy has polled
+            if slow_path_seen():
+                break
+            served(1)
+            time.sleep(1.5)
+        assert slow_path_seen(), (httpx.get(f"{deployment.proxy.url}/status").json(), _pulls(fast), _pulls(slow))
+        before = sum(p["pulls"] for p in _pulls(slow).values())
+        served(6)
+        assert sum(p["pulls"] for p in _pulls(slow).values()) == before, _paths(deployment)
+    finally:
+        deployment.d2_host.unlimit()
+    for server in (deployment.prefill, fast, slow):
+        assert_invariants(server)
+
+
+def test_the_second_token_comes_bytes_over_rate_after_the_first(deployment):
+    """Both decode links limited to 2 Mbit/s (about 2 s for this prompt's KV): the streamed answer's first token is P's (the link
+    plays no part in it), and the second, D's first, comes after the pull: within 20% of the
+    bytes D pulled divided by the link's rate."""
+    rate_bits = 2e6
+    decodes = (deployment.decode, deployment.decode2)
+    for host in (deployment.d_host, deployment.d2_host):
+        host.limit("2mbit", burst="16kb")
+    try:
+        before = {s.url: sum(p["bytes"] for p in _pulls(s).values()) for s in decodes}
+        arrived = []
+        body = {"prompt": _prompt(300, 2000), "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{deployment.proxy.url}/v1/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                # Text only: D's stream opens with an empty event as soon as it has the request.
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    arrived.append(time.monotonic())
+        pulled = sum(sum(p["bytes"] for p in _pulls(s).values()) - before[s.url] for s in decodes)
+    finally:
+        for host in (deployment.d_host, deployment.d2_host):
+            host.unlimit()
+    assert pulled == 2000 * 256  # the tiny model's KV: 2 layers x K,V x 2 heads x 16 dims x bf16
+    expected = pulled * 8 / rate_bits
+    gap = arrived[1] - arrived[0]
+    assert abs(gap - expected) <= 0.2 * expected, f"1st->2nd token {gap:.2f}s, bytes/rate {expected:.2f}s"
+    for server in decodes:
+        assert_invariants(server)
+
+
 def test_the_decode_host_gone_mid_pull_leaves_the_prefill_clean(deployment):
     """Last (it takes the decode host down): D's processes killed and its link unplugged in the
     middle of a slow pull, so neither P's socket nor the proxy's connection hears a FIN. P
@@ -328,6 +406,55 @@ def test_redis_partitioned_away_is_skipped_and_comes_back(model, single, tmp_pat
     finally:
         if engine is not None and engine.proc.poll() is None:
             engine.stop()
+        if redis_proc is not None:
+            redis_proc.kill()
+            redis_proc.wait(10)
+        network.close()
+
+
+def test_the_prefill_host_gone_after_its_answer_leaves_decode_the_shared_tier(model, single, tmp_path):
+    """P and D share a Redis tier on a third host. P answers (its prompt's chunks go to Redis),
+    then its host is gone: processes killed, link down, so D's pull hears nothing at all. D
+    gives up at its deadline and loads the prompt from Redis instead of computing it."""
+    import redis
+    network = multihost.Network()
+    redis_proc = prefill = decode = None
+    try:
+        redis_host, p_host, d_host = network.add("redis"), network.add("prefill"), network.add("decode")
+        redis_proc = subprocess.Popen(redis_host.command(
+            ["redis-server", "--bind", redis_host.address, "--port", "6379", "--save", "", "--appendonly", "no",
+             "--protected-mode", "no"]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        secret = tmp_path / "secret"
+        subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(secret)], cwd=REPO, check=True,
+                       capture_output=True)
+        store = ("--kv-store", f"redis://{redis_host.address}:6379/0", "--kv-chunk-tokens", "32",
+                 "--kv-secret-file", str(secret))
+        prefill = ServerProcess(str(model), *ARGS, *store, "--role", "prefill", "--kv-port", str(KV_PORT),
+                                "--kv-ip", p_host.address, host=p_host, wait=False)
+        decode = ServerProcess(str(model), *ARGS, *store, "--role", "decode", "--kv-load-timeout-s",
+                               str(LOAD_TIMEOUT_S), host=d_host, wait=False)
+        prefill.wait_ready()
+        decode.wait_ready()
+        prompt = _prompt(30, 120)  # 3 chunks of 32 tokens and a trailing one of a block
+        params = _complete(prefill.url, prompt, kv_transfer_params={"do_remote_decode": True}).json()[
+            "kv_transfer_params"]
+        stored = redis.Redis(host=redis_host.address, port=6379, socket_timeout=5)
+        wait_for(lambda: len(stored.keys("*")) == 4, timeout=30)  # P's writes land off its step thread
+        p_host.cut()
+        prefill.kill()
+        started = time.monotonic()
+        resp = _complete(decode.url, prompt, kv_transfer_params=params)
+        assert time.monotonic() - started < LOAD_TIMEOUT_S + 10
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == single(prompt), resp.text
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 112  # every whole block
+        status = decode.status()
+        assert status["kv_transfer"]["failures"] == {"timeout": 1}
+        assert status["kv_store"]["redis"]["hits"] == 4
+        assert_invariants(decode)
+    finally:
+        for server in (decode, prefill):
+            if server is not None and server.proc.poll() is None:
+                server.stop()
         if redis_proc is not None:
             redis_proc.kill()
             redis_proc.wait(10)

@@ -196,6 +196,11 @@ def test_scattered_transfer(producer, tcp):
         assert out.finished_recving == {"r1"}, out.failure_reasons
         assert torch.equal(consumer.kv[:, :, dst], producer.kv[:, :, src])
         assert consumer.counters["shm_loads"] == (0 if tcp else 1)
+        pulls = consumer.stats().pulls  # per producer, for /status and the proxy's path costs
+        assert list(pulls) == [addr]
+        assert {k: pulls[addr][k] for k in ("pulls", "tokens", "bytes")} == {
+            "pulls": 1, "tokens": 11 * SHAPE[3], "bytes": 11 * BLOCK_BYTES}
+        assert 0 < pulls[addr]["seconds"] < 10
         _sent(producer, "r1")
     finally:
         consumer.shutdown()

@@ -98,6 +98,7 @@ class LoadSpec:
     block_ids: list[int]
     deadline: float
     token_digest: str  # of our own first num_tokens prompt tokens; the producer compares
+    peer: str = ""  # the producer's advertised KV address (remote_addr may be its same-host ipc path)
 
 
 @dataclass(slots=True)
@@ -197,7 +198,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._meta.loads.append(LoadSpec(
             request.request_id, self._peer_addr(params), params.remote_request_id, start,
             block_ids[start:end], time.monotonic() + self.load_timeout_s,
-            token_digest(request.prompt_token_ids[:params.num_tokens])))
+            token_digest(request.prompt_token_ids[:params.num_tokens]), params.remote_kv_addr))
         self._loading.add(request.request_id)
 
     def release_peer(self, params: KVTransferParams) -> bool:

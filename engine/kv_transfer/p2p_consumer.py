@@ -52,6 +52,7 @@ NUM_PULLERS = 4
 CONTROL_CONNECT_S = 2.0
 UNREACHABLE_SKIP_S = 10.0
 MAX_CONTROL_QUEUE = 4096
+MAX_PEERS_COUNTED = 64  # producers whose pulls /status reports (only signed offers make one)
 # Transport handshake failures: a CURVE/plain mismatch (PROTOCOL), or CURVE keys of another
 # secret (NO_DETAIL: the producer cannot read our hello and hangs up).
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -298,7 +299,23 @@ class P2PConsumer:
                 self.stats["shm_loads"] += isinstance(first, ShmGrant)
                 self.stats["bytes_received"] += len(job.block_ids) * self.layout.bytes_per_block
                 self.stats["seconds"].append(time.perf_counter() - start)
+                self._count_pull(job, time.perf_counter() - start)
         return error
+
+    def _count_pull(self, job: LoadSpec, seconds: float) -> None:
+        """Per producer, totals since start (``/status`` kv_transfer.pulls; engine proxy routes
+        by them). At most MAX_PEERS_COUNTED, the least recently pulled from forgotten first.
+        Under self._lock."""
+        pulls = self.stats["pulls"]
+        peer = job.peer or job.remote_addr
+        counted = pulls.pop(peer, None) or {"pulls": 0, "tokens": 0, "bytes": 0, "seconds": 0.0}
+        counted["pulls"] += 1
+        counted["tokens"] += len(job.block_ids) * self.layout.block_shape[0]
+        counted["bytes"] += len(job.block_ids) * self.layout.bytes_per_block
+        counted["seconds"] += seconds
+        pulls[peer] = counted  # dicts keep insertion order: the most recent last
+        while len(pulls) > MAX_PEERS_COUNTED:
+            del pulls[next(iter(pulls))]
 
     def _copy_shm(self, peer: Peer, job: LoadSpec, transfer_id: str, grant: ShmGrant) -> str | None:
         if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer.kv.shape[2]:

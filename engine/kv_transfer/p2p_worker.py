@@ -68,7 +68,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._lock = threading.Lock()  # guards stats and each side's hand-over state
         self.counters = {"bytes_sent": 0, "bytes_received": 0, "seconds": [], "failures": {}, "shm_loads": 0,
                       "dropped_messages": 0, "lease_renewals": 0, "dropped_replies": 0, "abandoned_sends": 0,
-                      "auth_failures": {}}  # the producer's refusals by reason: see auth_failures()
+                      "auth_failures": {}, "pulls": {}}  # the producer's refusals by reason: see auth_failures()
         self.producer = None if port is None else P2PProducer(
             self._ctx, self._lock, self.counters, engine_id, fingerprint, bind_ip, port, chunk_bytes, secret, encrypt)
         self.consumer = P2PConsumer(self._ctx, self._lock, self.counters, fingerprint, chunk_bytes, secret, encrypt)
@@ -130,7 +130,8 @@ class P2PConnectorWorker(KVConnectorWorker):
         with self._lock:
             seconds, self.counters["seconds"] = self.counters["seconds"], []
             return KVConnectorStats(self.counters["bytes_sent"] + self.counters["bytes_received"],
-                                    dict(self.counters["failures"]), seconds, dict(self.counters["auth_failures"]))
+                                    dict(self.counters["failures"]), seconds, dict(self.counters["auth_failures"]),
+                                    pulls={peer: dict(p) for peer, p in self.counters["pulls"].items()})
 
     def auth_failures(self) -> dict[str, int]:
         """Messages the producer refused, by reason, since start: ``proof`` (a handshake whose
