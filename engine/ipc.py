@@ -136,8 +136,10 @@ class TierStats(msgspec.Struct):
 
 
 class PeerPulls(msgspec.Struct):
-    """KV pulled from one producer since start (whole blocks: tokens rounded up to them)."""
+    """KV pulled from one producer since start (whole blocks: tokens rounded up to them),
+    pulls that timed out included (``timeouts`` of them), each with the time it took."""
     pulls: int = 0
+    timeouts: int = 0
     tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0

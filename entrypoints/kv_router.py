@@ -329,7 +329,10 @@ class KVRouter:
             key, index = self.hasher_keys.get(upstream.url), self.indexes.get(upstream.url)
             if prompt is not None and key is not None and index is not None:
                 hit = index.prefix_blocks(prompt.by_hasher.get(key, [])) * key[1]
-            load = upstream.in_flight + (extra or {}).get(upstream.url, 0.0)
+            load = upstream.in_flight
+            if extra:  # a pull's cost, for the part of the prompt not cached there
+                uncached = 1 - hit / prompt.num_tokens if prompt and prompt.num_tokens else 1
+                load += extra.get(upstream.url, 0.0) * uncached
             cost = ((prompt.num_tokens if prompt else 0) - hit) + self.load_weight * load
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = upstream, cost, hit

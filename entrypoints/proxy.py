@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -148,8 +149,8 @@ class Proxy:
         self.decodes = [Upstream(u.rstrip("/")) for u in decode_urls]
         self.policy = policy
         self.disagg = disagg
-        if transfer_weight < 0:
-            raise ValueError("--transfer-weight must be >= 0")
+        if not 0 <= transfer_weight < float("inf"):
+            raise ValueError("--transfer-weight must be a number >= 0")
         self.transfer_weight = transfer_weight
         self.paths = TransferPaths()
         self.router = router if policy == "kv-aware" else None
@@ -236,29 +237,31 @@ class Proxy:
     async def watch_transfers(self) -> None:
         """Every TRANSFER_POLL_S, each decode instance's pull totals per prefill instance (its
         /status kv_transfer.pulls), for the proxy's life: what ``transfer_load`` weighs."""
-        while True:
-            for upstream in self.decodes:
-                try:
-                    resp = await self.http.get(f"{upstream.url}/status", timeout=5)
-                    if resp.status_code == 200:
-                        self.paths.observe(upstream.url, resp.json()["kv_transfer"].get("pulls"))
-                except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-                    pass  # not up, or not an engine of this release: its paths stay unknown
+        async def poll(upstream: Upstream) -> None:
+            try:
+                resp = await self.http.get(f"{upstream.url}/status", timeout=5)
+                if resp.status_code == 200:
+                    self.paths.observe(upstream.url, resp.json()["kv_transfer"].get("pulls"))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                pass  # not up, or not an engine of this release: its paths stay unknown
+
+        while True:  # all at once: one instance that does not answer delays nobody else's reading
+            await asyncio.gather(*(poll(u) for u in self.decodes))
             await asyncio.sleep(TRANSFER_POLL_S)
 
     def transfer_load(self, params) -> dict[str, float]:
         """Per decode url, the load a hand-off's pull adds beyond the fastest path's: its
-        expected extra seconds times ``transfer_weight``."""
+        expected extra seconds times ``transfer_weight``, in whole requests (less is noise)."""
         offers = [p for p in (params if isinstance(params, list) else [params])
                   if isinstance(p, dict) and p.get("do_remote_prefill")]
         if not offers or not self.transfer_weight:
             return {}
         peer = offers[0].get("remote_kv_addr")
-        tokens = sum(p.get("num_tokens") or 0 for p in offers if isinstance(p.get("num_tokens"), int))
+        tokens = sum(p["num_tokens"] for p in offers if type(p.get("num_tokens")) is int and p["num_tokens"] > 0)
         if not isinstance(peer, str) or not tokens:
             return {}
         excess = self.paths.excess_seconds([u.url for u in self.decodes], peer, tokens)
-        return {url: seconds * self.transfer_weight for url, seconds in excess.items()}
+        return {url: float(math.floor(seconds * self.transfer_weight)) for url, seconds in excess.items()}
 
     async def watch_instances(self) -> None:
         """Follow the KV events of every decode instance (or replica) that publishes them, as
@@ -722,10 +725,11 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
     async def lifespan(_: FastAPI):
         watcher = asyncio.create_task(proxy.watch_instances()) if proxy.router is not None else None
         prefills = asyncio.create_task(proxy.watch_prefills()) if proxy.prefills else None
-        transfers = asyncio.create_task(proxy.watch_transfers()) if proxy.prefills else None
+        transfers = asyncio.create_task(proxy.watch_transfers()) if proxy.prefills and proxy.transfer_weight else None
         yield
         if prefills is not None:
             prefills.cancel()
+        if transfers is not None:
             transfers.cancel()
         if watcher is not None:
             watcher.cancel()

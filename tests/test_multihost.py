@@ -267,7 +267,7 @@ def _paths(deployment) -> dict[str, float | None]:
 
 
 def test_the_proxy_sends_hand_offs_around_a_slow_link(deployment, single):
-    """decode2's link limited to 2 Mbit/s: a 1000-token prompt's KV takes about 2 s there and
+    """decode2's link limited to 2 Mbit/s: a 1000-token prompt's KV takes about 1 s there and
     next to nothing to decode. Once the proxy has seen a pull over each path (the decode
     instances' pull totals, which it polls), its hand-offs go to decode, though both are idle."""
     fast, slow = deployment.decode, deployment.decode2

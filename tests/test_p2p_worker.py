@@ -313,6 +313,11 @@ def test_copy_that_outlives_the_lease_is_discarded(producer, monkeypatch):
         out = _transfer(producer, consumer, "next", list(range(9)), list(range(9, 18)), ipc_path(producer.port))
         assert out.finished_recving == {"next"}, out.failure_reasons
         assert torch.equal(consumer.kv[:, :, 9:18], producer.kv[:, :, :9])
+        # Both count in the producer's path: the one that timed out with the time it took.
+        pulls = consumer.stats().pulls[ipc_path(producer.port)]
+        assert (pulls["pulls"], pulls["timeouts"], pulls["tokens"], pulls["bytes"]) == (2, 1, 18 * SHAPE[3],
+                                                                                        9 * BLOCK_BYTES)
+        assert pulls["seconds"] >= lease_s
     finally:
         lease_ended.set()
         consumer.shutdown()

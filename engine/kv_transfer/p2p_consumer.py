@@ -127,11 +127,14 @@ class P2PConsumer:
         peers: dict[str, Peer] = {}
         try:
             for job in queued(self._jobs, self._stop):
+                started = time.perf_counter()
                 error = self._load(job, peers)
-                if error is not None:
-                    with self._lock:
-                        reason = error.split(":")[0]  # errors start with their reason
+                reason = None if error is None else error.split(":")[0]  # errors start with their reason
+                with self._lock:
+                    if reason is not None:
                         self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
+                    if reason in (None, "timeout"):  # what the link cost (a refusal says nothing of it)
+                        self._count_pull(job, time.perf_counter() - started, timed_out=reason is not None)
                 self.loads.finish(job.req_id, error)
                 if error is not None:
                     logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
@@ -299,19 +302,19 @@ class P2PConsumer:
                 self.stats["shm_loads"] += isinstance(first, ShmGrant)
                 self.stats["bytes_received"] += len(job.block_ids) * self.layout.bytes_per_block
                 self.stats["seconds"].append(time.perf_counter() - start)
-                self._count_pull(job, time.perf_counter() - start)
         return error
 
-    def _count_pull(self, job: LoadSpec, seconds: float) -> None:
+    def _count_pull(self, job: LoadSpec, seconds: float, timed_out: bool) -> None:
         """Per producer, totals since start (``/status`` kv_transfer.pulls; engine proxy routes
-        by them). At most MAX_PEERS_COUNTED, the least recently pulled from forgotten first.
-        Under self._lock."""
+        by them): a pull that timed out counts with the time it took and the tokens it was for.
+        At most MAX_PEERS_COUNTED, the least recently pulled from forgotten first. Under self._lock."""
         pulls = self.stats["pulls"]
         peer = job.peer or job.remote_addr
-        counted = pulls.pop(peer, None) or {"pulls": 0, "tokens": 0, "bytes": 0, "seconds": 0.0}
+        counted = pulls.pop(peer, None) or {"pulls": 0, "timeouts": 0, "tokens": 0, "bytes": 0, "seconds": 0.0}
         counted["pulls"] += 1
+        counted["timeouts"] += timed_out
         counted["tokens"] += len(job.block_ids) * self.layout.block_shape[0]
-        counted["bytes"] += len(job.block_ids) * self.layout.bytes_per_block
+        counted["bytes"] += 0 if timed_out else len(job.block_ids) * self.layout.bytes_per_block
         counted["seconds"] += seconds
         pulls[peer] = counted  # dicts keep insertion order: the most recent last
         while len(pulls) > MAX_PEERS_COUNTED:
