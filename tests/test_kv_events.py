@@ -130,7 +130,7 @@ def _config(pub: int, replay: int, host: str = "127.0.0.1") -> str:
 
 
 class _Subscriber:
-    def __init__(self, pub: int, replay: int, secret: KVSecret | None = None) -> None:
+    def __init__(self, pub: int, replay: int, secret: KVSecret | None = None, host: str = "127.0.0.1") -> None:
         self.ctx = zmq.Context()
         self.sub, self.replay = self.ctx.socket(zmq.SUB), self.ctx.socket(zmq.DEALER)
         for sock in (self.sub, self.replay):
@@ -139,8 +139,8 @@ class _Subscriber:
                 sock.curve_serverkey = event_keys(secret, "server")[0]
                 sock.curve_publickey, sock.curve_secretkey = event_keys(secret, "client")
         self.sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-        self.sub.connect(f"tcp://127.0.0.1:{pub}")
-        self.replay.connect(f"tcp://127.0.0.1:{replay}")
+        self.sub.connect(f"tcp://{host}:{pub}")
+        self.replay.connect(f"tcp://{host}:{replay}")
         self.decoder = msgspec.msgpack.Decoder(_KVEventBatch)
 
     def live(self, timeout_ms: int = 5000) -> list[tuple[int, _KVEventBatch]]:

@@ -4,7 +4,8 @@ says: one deployment secret copied to every host, the KV port on the host's own 
 and without --kv-encrypt. The test process is a client host without the secret.
 
 - P->D across hosts gives a single instance's answers, the KV pulled over TCP;
-- the client can neither pull a prefill's KV nor make the decode instance connect anywhere;
+- the client can neither pull a prefill's KV, nor make the decode instance connect anywhere, nor
+  read its KV events;
 - the link to P cut in the middle of a 2k-token pull: the answer is still right (recomputed
   within the decode's deadline), and once the link is back both sides end idle;
 - the proxy's link to one decode host cut: every request is answered by the other, the
@@ -33,12 +34,14 @@ import torch
 from engine import LLM, SamplingParams
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata
 from engine.kv_transfer.p2p_worker import P2PConnectorWorker
+from engine.kv_transfer.secret import load_kv_secret
 from engine.kv_transfer.params import token_digest
 from tests import multihost
 from tests.conftest import make_tiny_model
 from tests.disagg_utils import ProxyProcess
 from tests.server_utils import REPO, ServerProcess, wait_for
 from tests.stress.workload import assert_invariants
+from tests.test_kv_events import _Subscriber
 
 pytestmark = pytest.mark.skipif(multihost.unavailable() is not None, reason=str(multihost.unavailable()))
 
@@ -73,7 +76,7 @@ class Deployment:
         try:
             self.p_host, self.d_host, self.d2_host, self.x_host = (
                 self.network.add(n) for n in ("prefill", "decode", "decode2", "proxy"))
-            made = tmp_path / "secret"
+            made = self.secret = tmp_path / "secret"
             subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(made)], cwd=REPO, check=True,
                            capture_output=True)
             secrets = {}
@@ -88,7 +91,7 @@ class Deployment:
             self.servers.append(self.prefill)
             self.decode, self.decode2 = (ServerProcess(
                 str(model), *ARGS, "--role", "decode", "--kv-load-timeout-s", str(LOAD_TIMEOUT_S),
-                "--kv-secret-file", secrets[host.name], *extra, host=host, wait=False)
+                "--kv-events", "--kv-secret-file", secrets[host.name], *extra, host=host, wait=False)
                 for host in (self.d_host, self.d2_host))
             self.servers += [self.decode, self.decode2]
             for server in self.servers:
@@ -177,6 +180,19 @@ def test_a_client_without_the_secret_cannot_pull_or_steer(deployment):
     with pytest.raises(socket.timeout):
         listener.accept()  # nobody came
     listener.close()
+    # Read the KV event stream (which tells what every instance caches): nothing, where a
+    # subscriber with the secret gets the replay.
+    info = deployment.decode.status()["kv_events"]
+    ports = [int(info[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint")]
+    assert info["endpoint"].startswith(f"tcp://{deployment.d_host.address}:")
+    stranger_sub = _Subscriber(*ports, host=deployment.d_host.address)
+    insider = _Subscriber(*ports, secret=load_kv_secret(str(deployment.secret)), host=deployment.d_host.address)
+    try:
+        assert stranger_sub.replayed(0, timeout_ms=1500) is None
+        assert insider.replayed(0) is not None
+    finally:
+        stranger_sub.close()
+        insider.close()
     # The real hand-off is untouched: the decode instance, which has the secret, pulls it whole.
     resp = _complete(deployment.decode.url, prompt, kv_transfer_params=params)
     assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 300
