@@ -31,6 +31,8 @@ serve-single: venv
 	$(VENV)/bin/engine serve --host 127.0.0.1 --port $(PORT)
 
 test: venv
+	# The engine[ray] extra (setup.py's pin), for tests/test_ray_serve.py: a test-only install.
+	$(PY) -c "import ray.serve" 2>/dev/null || $(PY) -m pip install -q "ray[serve]==2.60.0"
 	# Bytecode once for the ~100 processes the suite starts (some environments never write it).
 	$(PY) -m compileall -q engine entrypoints tests
 	$(PY) -m pytest -q --durations=25 tests

@@ -71,6 +71,7 @@ setup(
         "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib", "hypothesis>=6.170,<7",
                  "schemathesis==4.32.5", "jsonschema>=4"],
         "cuda": ["flash-attn", "xformers"],
+        "ray": ["ray[serve]==2.60.0"],
     },
     entry_points={"console_scripts": ["engine = entrypoints.cli:main"]},
 )

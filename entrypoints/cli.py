@@ -230,8 +230,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         app = build_app(OpenAIServer(client, tokenizer, served, api_key,
                                      trust_request_chat_template=args.trust_request_chat_template))
+        # asyncio and h11 whatever else is installed (engine[ray] brings uvloop and httptools).
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               timeout_graceful_shutdown=10))
+                                               timeout_graceful_shutdown=10, loop="asyncio", http="h11"))
 
         def on_dead(_: str) -> None:
             # Let the error responses of requests in flight go out, then exit.
@@ -279,7 +280,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             f"prompt while a prefill instance has {disagg.max_prefill_queue} in flight" if disagg.conditional
             else "every prompt through a prefill instance")
     uvicorn.run(build_proxy_app(proxy), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, loop="asyncio", http="h11")
     return 0
 
 
@@ -383,6 +384,33 @@ def cmd_disagg(args: argparse.Namespace) -> int:
     return run_disagg(model, args.host, args.port, engine_args, args.prefill_cores, args.decode_cores,
                       proxy_args, core_lending=args.core_lending,
                       decode_args=["--long-prefill-token-threshold", str(threshold)])
+
+
+def cmd_ray_serve(args: argparse.Namespace) -> int:
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ValueError("engine ray-serve needs Ray: pip install 'engine[ray]'") from None
+    from engine.worker.loader import resolve_model
+    from entrypoints.ray_serve.app import RayServeOptions, build_app, parse_replicas
+
+    engine_args = args.engine_args
+    for flag in ("--role", "--host", "--port", "--kv-ip", "--kv-port", "--num-threads", "--cpu-cores"):
+        if flag in engine_args:
+            raise ValueError(f"engine ray-serve sets {flag} of each replica itself")
+    # Every node needs the model at this path (a shared or identical file system).
+    model = args.model_path if args.model_path and os.path.exists(args.model_path) else str(
+        resolve_model(args.model_path))
+    options = RayServeOptions(model, parse_replicas(args.prefill_replicas), parse_replicas(args.decode_replicas),
+                              engine_args, args.replica_cpus, args.max_local_prefill_tokens,
+                              args.target_ongoing_requests)
+    ray.init(address=args.address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    logging.getLogger("engine").info("engine on Ray Serve at http://%s:%d: prefill replicas %s, decode replicas %s",
+                                     args.host, args.port, args.prefill_replicas, args.decode_replicas)
+    serve.run(build_app(options), name="engine", route_prefix="/", blocking=True)
+    return 0
 
 
 def add_disagg_policy_args(parser: argparse.ArgumentParser) -> None:
@@ -520,6 +548,28 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(dg)
     dg.set_defaults(func=cmd_disagg)
 
+    rs = sub.add_parser("ray-serve", usage="engine ray-serve [MODEL] [options] [-- ENGINE SERVE FLAGS]",
+                        help="deploy prefill and decode replicas behind an OpenAI ingress on Ray Serve "
+                             "(pip install 'engine[ray]'; docs/ray.md); engine serve flags after --")
+    rs.add_argument("model_path", nargs="?", default=None, metavar="MODEL")
+    rs.add_argument("--prefill-replicas", default="1", metavar="N|MIN:MAX",
+                    help="prefill replicas: a number, or MIN:MAX for Serve's autoscaling (default 1)")
+    rs.add_argument("--decode-replicas", default="1", metavar="N|MIN:MAX",
+                    help="decode replicas: a number, or MIN:MAX for Serve's autoscaling (default 1)")
+    rs.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                    help="CPUs Ray reserves for each replica; its engine runs that many torch threads (default 1)")
+    rs.add_argument("--target-ongoing-requests", type=float, default=4.0, metavar="N",
+                    help="autoscaling: Serve adds replicas while they average more open requests (default 4)")
+    rs.add_argument("--address", default=None,
+                    help="the Ray cluster (ray.init's address: auto, ray://host:10001; default: a local one)")
+    rs.add_argument("--host", default="127.0.0.1", help="Serve's HTTP address (default 127.0.0.1)")
+    rs.add_argument("--port", type=int, default=8000, help="Serve's HTTP port (default 8000)")
+    rs.add_argument("--max-local-prefill-tokens", type=int, default=512, metavar="N",
+                    help="conditional disaggregation: a decode replica prefills a prompt itself when at most N of "
+                         "its tokens are missing from its prefix cache (default 512; 0: every prompt through a "
+                         "prefill replica)")
+    rs.set_defaults(func=cmd_ray_serve)
+
     sc = sub.add_parser("secret", help="write a new random deployment secret (mode 0600) for --kv-secret-file")
     sc.add_argument("path")
     sc.add_argument("--force", action="store_true", help="replace an existing file")
@@ -532,7 +582,12 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--timeout", type=float, default=5.0)
     st.set_defaults(func=cmd_status)
 
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # engine ray-serve hands everything after a bare -- to its replicas' engine serve.
+    split = argv.index("--") if "ray-serve" in argv and "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    if getattr(args, "func", None) is cmd_ray_serve:
+        args.engine_args = argv[split + 1:]
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -102,6 +102,9 @@ class TransferPaths:
 
     def status(self) -> list[dict]:
         now = time.monotonic()
-        return [{"decode": url, "prefill_kv": peer, "pulls": path.pulls, "timeouts": path.timeouts,
-                 "seconds_per_1k_tokens": None if (spt := path.seconds_per_token(now)) is None else round(spt * 1000, 4)}
-                for (url, peer), path in sorted(self._paths.items())]
+        rows = []
+        for (url, peer), path in sorted(self._paths.items()):
+            per_token = path.seconds_per_token(now)
+            rows.append({"decode": url, "prefill_kv": peer, "pulls": path.pulls, "timeouts": path.timeouts,
+                         "seconds_per_1k_tokens": None if per_token is None else round(per_token * 1000, 4)})
+        return rows

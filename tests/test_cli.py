@@ -64,3 +64,15 @@ def test_engine_status_through_a_proxy(tiny_llama):
         assert out.count("kv blocks  total 64  free 64") == 2 and "transfers  in flight 0" in out
     finally:
         cluster.stop()
+
+
+def test_ray_serve_hands_the_flags_after_a_bare_dashdash_to_its_replicas(monkeypatch):
+    from entrypoints import cli
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_ray_serve", lambda args: seen.update(vars(args)) or 0)
+    assert cli.main(["ray-serve", "M", "--port", "9", "--decode-replicas", "1:8", "--",
+                     "--max-model-len", "64", "--port", "1"]) == 0
+    assert (seen["model_path"], seen["port"], seen["decode_replicas"]) == ("M", 9, "1:8")
+    assert seen["engine_args"] == ["--max-model-len", "64", "--port", "1"]
+    seen.clear()
+    assert cli.main(["ray-serve"]) == 0 and seen["engine_args"] == [] and seen["model_path"] is None

@@ -42,7 +42,7 @@ def test_relative_links_resolve(page):
 @pytest.fixture(scope="module")
 def help_texts() -> dict[str, str]:
     texts = {}
-    for sub in ("generate", "serve", "proxy", "disagg", "secret", "status"):
+    for sub in ("generate", "serve", "proxy", "disagg", "ray-serve", "secret", "status"):
         texts[sub] = subprocess.run([sys.executable, "-m", "entrypoints.cli", sub, "--help"], cwd=ROOT,
                                     capture_output=True, text=True, check=True, timeout=120).stdout
     return texts
@@ -54,6 +54,8 @@ def test_every_documented_flag_exists(help_texts):
     for page, command in commands:
         sub = command.split()[1]
         assert sub in help_texts, f"{page}: `{command}` names no subcommand"
-        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", command):
-            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_texts[sub]), \
-                f"{page}: `{command}`: {flag} is not an option of `engine {sub}`"
+        own, _, passed_on = command.partition(" -- ")  # engine ray-serve hands these to engine serve
+        for text, of in ((own, sub), (passed_on, "serve")):
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text):
+                assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_texts[of]), \
+                    f"{page}: `{command}`: {flag} is not an option of `engine {of}`"

@@ -1,0 +1,211 @@
+"""The OpenAI ingress of ``engine ray-serve``: engine proxy's request flow (entrypoints/proxy.py)
+over Ray Serve deployment handles instead of URLs. Serve chooses the replica of each call (its
+replica set, health and queue lengths; the request router configured on the deployment).
+
+Per request, as the proxy does it: conditional disaggregation (a decode replica serves a prompt
+with at most ``max_local_prefill_tokens`` uncached tokens itself, else answers 409 and the prompt
+goes through a prefill replica); the client's first tokens come from the prefill; a decode
+replica continues from its KV; a hand-off nobody will use is released at once.
+"""
+
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError, RayError
+from ray.serve.exceptions import BackPressureError
+
+from entrypoints.protocol import FIRST_TOKENS_SHOWN, BodyError, read_json_object, request_id_of
+from entrypoints.proxy import (
+    DisaggPolicy,
+    FirstTokens,
+    _after_first_event,
+    _declined,
+    _error_event,
+    _passthrough_error,
+    _replay,
+    error_response,
+)
+
+logger = logging.getLogger("engine.ray_serve")
+# Serve serializes the ingress class as it is at decoration: what its methods call is defined
+# above it.
+app = FastAPI(title="engine on Ray Serve", docs_url=None, redoc_url=None)
+
+
+async def _on_a_live_replica(role: str, call):
+    """``call()`` (a handle call's result, or a stream's first item); a replica that died or
+    became unreachable before it answered (its node gone) costs one retry, which Serve routes to
+    another replica or to the replacement it starts. Nothing reached the client yet; a decode
+    retried with the same hand-off pulls the KV again (the prefill holds it under its lease) or,
+    if the dead one had taken it already, computes the prompt itself."""
+    try:
+        return await call()
+    except RayActorError as exc:
+        logger.warning("%s replica lost before it answered, once more: %s", role, exc)
+    return await call()
+
+
+def _as_response(status: int, content: bytes) -> httpx.Response:
+    return httpx.Response(status, content=content)
+
+
+def _replica_error(role: str, exc: Exception) -> JSONResponse:
+    if isinstance(exc, BackPressureError):
+        return error_response(503, f"every {role} replica is at its max_ongoing_requests: retry later")
+    return error_response(502, f"{role} replica failed: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+async def _relay(stream):
+    """A replica's streamed body; a replica that dies mid-stream ends it with an error event."""
+    try:
+        async for data in stream:
+            yield data
+    except (RayError, BackPressureError) as exc:
+        yield "\n\n" + _error_event(_replica_error("decode", exc)).decode()
+
+
+@serve.ingress(app)
+class PDIngress:
+    def __init__(self, prefill, decode, disagg: DisaggPolicy = DisaggPolicy()) -> None:
+        self.prefill, self.decode, self.disagg = prefill, decode, disagg
+
+    @app.post("/v1/completions")
+    async def completions(self, raw: Request) -> Response:
+        return await self.handle(raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, raw: Request) -> Response:
+        return await self.handle(raw, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(self, raw: Request) -> Response:
+        headers = {"Authorization": raw.headers["authorization"]} if "authorization" in raw.headers else {}
+        try:
+            status, content = await self.decode.get.remote("/v1/models", headers)
+        except (RayError, BackPressureError) as exc:
+            return _replica_error("decode", exc)
+        return Response(content, status_code=status, media_type="application/json")
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        return JSONResponse({"ok": True})
+
+    async def handle(self, raw: Request, path: str) -> Response:
+        try:
+            body = await read_json_object(raw)
+            request_id = request_id_of(body.get("request_id"), raw.headers.get("x-request-id"), "rs")
+        except BodyError as exc:
+            return error_response(exc.status, exc.message, "invalid_request_error", exc.param)
+        body["request_id"] = request_id
+        body.pop("kv_transfer_params", None)  # the ingress's to set, never a client's
+        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+        if "authorization" in raw.headers:
+            headers["Authorization"] = raw.headers["authorization"]
+        if body.get("echo") or body.get("prompt_logprobs") is not None:
+            return await self.on_decode(path, body, headers)  # every prompt position's logits: one instance
+        if self.disagg.conditional:
+            limit = {"max_local_prefill_tokens": self.disagg.max_local_prefill_tokens}
+            answer = await self.on_decode(path, {**body, "kv_transfer_params": limit}, headers, may_decline=True)
+            if answer is not None:
+                return answer
+        prefilled = await self.prefill_remotely(path, body, headers)
+        if not isinstance(prefilled, dict):
+            if self.disagg.conditional and prefilled is None:
+                return await self.on_decode(path, body, headers)  # no prefill replica: prefill locally
+            return prefilled or error_response(502, "no prefill replica answered")
+        params = prefilled.pop("kv_transfer_params")
+        first = FirstTokens(prefilled, chat=path.endswith("chat/completions"))
+        if first.final:  # every sequence ended with its first token
+            self.release(params, headers)
+            if body.get("stream"):
+                options = body.get("stream_options")
+                usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                return StreamingResponse(_replay(first.final_stream(usage)), media_type="text/event-stream",
+                                         headers={"X-Request-Id": request_id})
+            return JSONResponse(prefilled, headers={"X-Request-Id": request_id})
+        d_body = {**body, "kv_transfer_params": params}
+        if body.get("stream"):
+            return StreamingResponse(self.continue_stream(path, d_body, {**headers, FIRST_TOKENS_SHOWN: "1"},
+                                                          first, params),
+                                     media_type="text/event-stream", headers={"X-Request-Id": request_id})
+        answer = await self.on_decode(path, d_body, headers)
+        if answer.status_code != 200:
+            self.release(params, headers)
+        return answer
+
+    async def prefill_remotely(self, path: str, body: dict, headers: dict) -> dict | Response | None:
+        """The prefill replica's answer (first tokens and kv_transfer_params), its error, or
+        None when no prefill replica could take it."""
+        p_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        p_body.pop("stream_options", None)
+        try:
+            status, content = await _on_a_live_replica(
+                "prefill", lambda: self.prefill.call.remote(path, p_body, headers))
+        except (RayError, BackPressureError) as exc:
+            logger.warning("prefill failed: %s", exc)
+            return None
+        if status != 200:
+            return _passthrough_error(_as_response(status, content))
+        answer = _as_response(status, content).json()
+        if not answer.get("kv_transfer_params"):
+            return error_response(502, "the prefill replica returned no kv_transfer_params")
+        return answer
+
+    async def on_decode(self, path: str, body: dict, headers: dict, may_decline: bool = False) -> Response | None:
+        """The whole request on a decode replica (streamed through when asked). None: it
+        declined to prefill the prompt itself (only with ``may_decline``)."""
+        if body.get("stream"):
+            try:
+                stream, status = await _on_a_live_replica("decode", lambda: self.open_stream(path, body, headers))
+            except (RayError, BackPressureError) as exc:
+                return _replica_error("decode", exc)
+            if status != 200:
+                content = b"".join([chunk async for chunk in stream])
+                error = _as_response(status, content)
+                return None if may_decline and _declined(error) else _passthrough_error(error)
+            return StreamingResponse(_relay(stream), media_type="text/event-stream",
+                                     headers={"X-Request-Id": headers["X-Request-Id"]})
+        try:
+            status, content = await _on_a_live_replica("decode", lambda: self.decode.call.remote(path, body, headers))
+        except (RayError, BackPressureError) as exc:
+            return _replica_error("decode", exc)
+        if status != 200:
+            error = _as_response(status, content)
+            return None if may_decline and _declined(error) else _passthrough_error(error)
+        return Response(content, media_type="application/json", headers={"X-Request-Id": headers["X-Request-Id"]})
+
+    async def continue_stream(self, path: str, body: dict, headers: dict, first: FirstTokens, params):
+        """The first tokens at once, then the decode replica's stream after them."""
+        if first.chat:
+            yield first.role_chunk()
+        yield first.continuing_chunk()
+        try:
+            stream, status = await _on_a_live_replica("decode", lambda: self.open_stream(path, body, headers))
+        except (RayError, BackPressureError) as exc:
+            self.release(params, headers)
+            yield _error_event(_replica_error("decode", exc))
+            return
+        if status != 200:
+            self.release(params, headers)
+            content = b"".join([chunk async for chunk in stream])
+            yield _error_event(_passthrough_error(_as_response(status, content)))
+            return
+        chunks = _relay(stream)
+        async for data in (_after_first_event(chunks) if first.chat else chunks):
+            yield data
+
+    async def open_stream(self, path: str, body: dict, headers: dict):
+        """A decode replica's stream and its HTTP status, its first item."""
+        stream = self.decode.options(stream=True).stream.remote(path, body, headers)
+        return stream, await stream.__anext__()
+
+    def release(self, params, headers: dict) -> None:
+        """Tells the prefill holding a hand-off's KV that nobody will pull it (through any
+        prefill replica, which passes it on; not awaited)."""
+        for one in params if isinstance(params, list) else [params]:
+            if isinstance(one, dict) and one.get("do_remote_prefill"):
+                self.prefill.release.remote(one, headers)
+

@@ -1,0 +1,214 @@
+"""engine ray-serve on a local multi-node Ray cluster (ray.cluster_utils.Cluster: several
+raylets on this machine, each a node with its own CPUs): prefill and decode deployments of real
+engine instances, one per node, behind the OpenAI ingress.
+
+- answers through Serve equal a colocated instance, over the remote path (the KV pulled by the
+  decode replica) and the local one (a short prompt the decode replica prefills itself),
+  streamed or not, completions and chat;
+- the deployment secret reaches the replicas without a file, and no log holds it;
+- the decode replica's node removed while requests run: those not streaming yet are answered
+  right by another replica, the streaming ones end with an error, nothing hangs, Serve starts
+  a replacement and the dead node's engine is gone.
+
+Skipped with the reason when Ray is not installed (pip install 'engine[ray]'); CI installs it."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs Ray: pip install 'engine[ray]'")
+
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from entrypoints.ray_serve.app import RayServeOptions, build_app  # noqa: E402
+from tests.server_utils import free_port  # noqa: E402
+
+ENGINE_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny"]
+SECRET = "ray-serve-test-secret-" + os.urandom(16).hex()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"head": 1}})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]  # a replica per node, and one spare
+    ray.init(address=cluster.address, logging_level="warning")
+    yield cluster, nodes
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(cluster, tiny_llama):
+    port = free_port()
+    # The HTTP entry on the head node only: every node's Serve proxy binds the same address on
+    # this one machine, and a client connected through the lost node's proxy would lose its
+    # connection with that node (as it would on real machines: put a load balancer in front).
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    options = RayServeOptions(str(tiny_llama), engine_args=ENGINE_ARGS, max_local_prefill_tokens=64,
+                              ingress_actor_options={"num_cpus": 0, "resources": {"head": 0.01}})  # it stays
+    serve.run(build_app(options, secret=SECRET), name="engine", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete("engine")
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama):
+    llm = LLM(str(tiny_llama), num_blocks=256, max_model_len=1024)
+    yield llm
+    llm.shutdown()
+
+
+def _want(llm: LLM, prompt: list[int]) -> str:
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+
+
+def _streamed(url: str, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                choice = event["choices"][0]
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text
+
+
+def test_answers_through_serve_equal_a_colocated_instance(url, colocated):
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    for n in (20, 300):  # local on the decode replica, then through the prefill replica
+        prompt = [(n * 7919 + i * 104729) % 40000 + 3 for i in range(n)]
+        resp = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == _want(colocated, prompt)
+        cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (0 if n == 20 else n)  # the remote path: every prompt token pulled, none computed
+        fresh = [t + 1 for t in prompt]
+        assert _streamed(f"{url}/v1/completions", {**body, "prompt": fresh}) == _want(colocated, fresh)
+    messages = [{"role": "user", "content": "Tell me about Ray Serve. " * 20}]
+    want = colocated.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text
+    resp = httpx.post(f"{url}/v1/chat/completions", json={**body, "messages": messages}, timeout=120)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == want, resp.text
+    assert _streamed(f"{url}/v1/chat/completions", {**body, "messages": messages}) == want
+    assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"
+
+
+def test_replicas_get_the_secret_through_ray_and_no_log_holds_it(url, cluster):
+    prefill = serve.get_deployment_handle("prefill", app_name="engine")
+    status = prefill.status.remote().result(timeout_s=30)
+    assert status["kv_transfer"]["auth_failures"] == {}
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    logs = [p for p in glob.glob(f"{session_dir}/logs/**/*", recursive=True) if os.path.isfile(p)]
+    assert logs
+    for path in logs:
+        with open(path, "rb") as f:
+            assert SECRET.encode() not in f.read(), path
+    # Nor on a command line anyone on the node can read.
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    assert SECRET.encode() not in f.read()
+            except OSError:
+                pass
+
+
+def _replica_node(deployment: str) -> str:
+    from ray.util.state import list_actors
+    actors = list_actors(filters=[("class_name", "=", f"ServeReplica:engine:{deployment}"), ("state", "=", "ALIVE")])
+    assert len(actors) == 1, actors
+    return actors[0]["node_id"]
+
+
+def _complete_or_error(url: str, body: dict, into: list) -> None:
+    try:
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+        into.append((resp.status_code, resp.json()))
+    except (httpx.HTTPError, ValueError) as exc:
+        into.append(exc)
+
+
+def _stream_until_end(url: str, body: dict, into: list) -> None:
+    events = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=180) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+    except httpx.HTTPError as exc:
+        events.append(exc)
+    into.append(events)
+
+
+def test_a_node_lost_under_load_loses_no_request_silently(url, cluster, colocated):
+    """Last (it takes a node). The decode replica's node is removed while two non-streaming and
+    two streaming requests run on it (long generations)."""
+    import threading
+    import time
+
+    from tests.server_utils import pid_alive
+    decode = serve.get_deployment_handle("decode", app_name="engine")
+    engine_pid = decode.status.remote().result(timeout_s=30)["engine_pid"]
+    node_id = _replica_node("decode")
+    body = {"max_tokens": 600, "temperature": 0, "ignore_eos": True}
+    prompts = [[(k * 7919 + i * 104729) % 40000 + 3 for i in range(300)] for k in range(50, 54)]
+    answers: list = []
+    streams: list = []
+    threads = [threading.Thread(target=_complete_or_error, args=(url, {**body, "prompt": p}, answers))
+               for p in prompts[:2]]
+    threads += [threading.Thread(target=_stream_until_end, args=(url, {**body, "prompt": p}, streams))
+                for p in prompts[2:]]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while decode.status.remote().result(timeout_s=30)["requests"]["running"] < 4:
+        assert time.monotonic() < deadline, "the requests never all ran on the decode replica"
+        time.sleep(0.2)
+    cluster_, nodes = cluster
+    [node] = [n for n in nodes if n.node_id == node_id]
+    cluster_.remove_node(node, allow_graceful=False)
+    for t in threads:
+        t.join(240)
+        assert not t.is_alive(), "a request hung on the lost node"
+    want = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    for status_and_body in answers:  # retried on the replacement: whole and right
+        assert not isinstance(status_and_body, Exception), status_and_body
+        status, answer = status_and_body
+        assert status == 200, answer
+    texts = sorted(a[1]["choices"][0]["text"] for a in answers)
+    expected = sorted(colocated.generate(prompts[:2], want, use_tqdm=False)[i].outputs[0].text for i in range(2))
+    assert texts == expected
+    for events in streams:  # they were streaming: an error event, then the end
+        assert events and events[-1] == "[DONE]", events[-3:]
+        assert any('"error"' in e for e in events if isinstance(e, str)), events[-3:]
+    deadline = time.monotonic() + 60
+    while pid_alive(engine_pid):
+        assert time.monotonic() < deadline, "the lost node's engine outlived its replica"
+        time.sleep(0.5)
+    assert _replica_node("decode") != node_id  # the replacement, on the spare node
+    prompt = prompts[0][:100]
+    resp = httpx.post(f"{url}/v1/completions", json={"max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                                       "prompt": prompt}, timeout=120)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == _want(colocated, prompt)
+
+
+def test_replica_counts_and_the_config_files_arguments_are_checked():
+    from entrypoints.ray_serve.app import app_builder, parse_replicas
+    assert parse_replicas("3") == (3, 3) and parse_replicas("1:8") == (1, 8) and parse_replicas(2) == (2, 2)
+    for bad in ("0", "4:2", "x", "1:", ":3", "-1:2"):
+        with pytest.raises(ValueError):
+            parse_replicas(bad)
+    with pytest.raises(ValueError, match="unknown engine ray-serve arguments: replicas"):
+        app_builder({"model": "m", "replicas": 3})
+    assert app_builder({"model": "m", "prefill_replicas": "1:4", "decode_replicas": 2, "replica_cpus": 2,
+                        "engine_args": ["--max-model-len", 4096]}) is not None
