@@ -404,7 +404,7 @@ def cmd_ray_serve(args: argparse.Namespace) -> int:
         resolve_model(args.model_path))
     options = RayServeOptions(model, parse_replicas(args.prefill_replicas), parse_replicas(args.decode_replicas),
                               engine_args, args.replica_cpus, args.max_local_prefill_tokens,
-                              args.target_ongoing_requests)
+                              args.target_ongoing_requests, routing=args.routing)
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     logging.getLogger("engine").info("engine on Ray Serve at http://%s:%d: prefill replicas %s, decode replicas %s",
@@ -560,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPUs Ray reserves for each replica; its engine runs that many torch threads (default 1)")
     rs.add_argument("--target-ongoing-requests", type=float, default=4.0, metavar="N",
                     help="autoscaling: Serve adds replicas while they average more open requests (default 4)")
+    rs.add_argument("--routing", default="least-loaded", choices=["kv-aware", "least-loaded"],
+                    help="how Serve picks a replica: kv-aware (the one holding most of the prompt's KV, from the "
+                         "replicas' KV events, traded against load) or least-loaded (Serve's default, power of two "
+                         "choices on queue lengths)")
     rs.add_argument("--address", default=None,
                     help="the Ray cluster (ray.init's address: auto, ray://host:10001; default: a local one)")
     rs.add_argument("--host", default="127.0.0.1", help="Serve's HTTP address (default 127.0.0.1)")

@@ -354,6 +354,16 @@ class KVRouter:
                  "predicted_hit_rate": round(i.predicted_hits / i.prompt_tokens, 4)
                  if i.prompt_tokens else None} for i in self.indexes.values()]
 
+    def forget(self, url: str) -> None:
+        """An instance that is gone for good (a Ray Serve replica removed): its index and
+        subscriber go too."""
+        followed = self.subscribers.pop(url, None)
+        if followed is not None:
+            followed[1].stop()
+        self.indexes.pop(url, None)
+        self.hasher_keys.pop(url, None)
+        self._warned.discard(url)
+
     def stop(self) -> None:
         for _, subscriber in self.subscribers.values():
             subscriber.stop()

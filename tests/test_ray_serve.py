@@ -6,6 +6,9 @@ engine instances, one per node, behind the OpenAI ingress.
   decode replica) and the local one (a short prompt the decode replica prefills itself),
   streamed or not, completions and chat;
 - the deployment secret reaches the replicas without a file, and no log holds it;
+- KV-aware routing (Serve request routers over the replicas' KV events) keeps a conversation on
+  the decode replica that holds its KV;
+- a load step scales the decode deployment up, and the scale-down under traffic drains;
 - the decode replica's node removed while requests run: those not streaming yet are answered
   right by another replica, the streaming ones end with an error, nothing hangs, Serve starts
   a replacement and the dead node's engine is gone.
@@ -121,6 +124,143 @@ def test_replicas_get_the_secret_through_ray_and_no_log_holds_it(url, cluster):
                     assert SECRET.encode() not in f.read()
             except OSError:
                 pass
+
+
+def test_kv_aware_routing_keeps_a_conversation_where_its_kv_is(url, tiny_llama, colocated):
+    """--routing kv-aware: Serve's request router for both deployments is the engine's KV-aware
+    policy over the replicas' KV events. A conversation's first turn goes through the prefill
+    replica (its KV pulled by one decode replica); every later turn (its history plus 40 new
+    tokens, fewer than max_local_prefill_tokens) goes to that decode replica, which serves it
+    from its prefix cache: no further pulls. Least-loaded routing would send each later turn to
+    the other of two idle replicas half the time (which declines it: the remote path again)."""
+    import time
+    options = RayServeOptions(str(tiny_llama), decode_replicas=(2, 2), engine_args=ENGINE_ARGS,
+                              max_local_prefill_tokens=64, replica_cpus=0.25, routing="kv-aware",
+                              ingress_actor_options={"num_cpus": 0, "resources": {"head": 0.01}})
+    serve.run(build_app(options, secret=SECRET), name="kv", route_prefix="/kv")
+    base = f"{url}/kv"  # the same Serve HTTP proxy, another application
+    try:
+        prompt = [(7 * 7919 + i * 104729) % 40000 + 3 for i in range(300)]
+        body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        for turn in range(8):
+            resp = httpx.post(f"{base}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == _want(colocated, prompt)
+            if turn == 0:  # the router must see the pulled blocks before the next turn
+                deadline = time.monotonic() + 60
+                while not any(i["index_blocks"] for i in httpx.get(f"{base}/status", timeout=10).json()[
+                        "kv_routing"] if i["kv_events"]):
+                    assert time.monotonic() < deadline, httpx.get(f"{base}/status").json()
+                    time.sleep(0.5)
+            prompt = prompt + [(turn * 31 + i * 7) % 40000 + 3 for i in range(40)]
+        engines = [i["url"] for i in httpx.get(f"{base}/status", timeout=10).json()["kv_routing"]]
+        assert len(engines) == 3  # the prefill and both decode replicas, followed
+        pulls = {}
+        for engine_url in engines:
+            by_producer = httpx.get(f"{engine_url}/status", timeout=10).json()["kv_transfer"]["pulls"]
+            pulls[engine_url] = sum(p["pulls"] for p in by_producer.values())
+        assert sum(pulls.values()) == 1, pulls  # the first turn's pull only
+    finally:
+        serve.delete("kv")
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with a 4k context: generations long enough to outlast Serve's delays."""
+    from tests.conftest import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("ray-long-llama"), "llama", tie_word_embeddings=True,
+                           max_position_embeddings=4096)
+
+
+def _stream_whole(url: str, body: dict) -> tuple[str, str, int]:
+    """A streamed completion: (text, finish reason, completion tokens); an error event raises."""
+    text, finish, tokens = "", None, 0
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event["choices"]:
+                    text += event["choices"][0]["text"]
+                    finish = event["choices"][0]["finish_reason"] or finish
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    return text, finish, tokens
+
+
+def _assert_whole_and_right(llm: LLM, prompts: list[list[int]], got: dict, max_tokens: int) -> None:
+    """Every stream ended by its length, none cut; each begins as a single instance's answer
+    (thousands of greedy tokens of a random model meet a near-tie somewhere, where another
+    thread count or batch may round the other way)."""
+    starts = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
+    for k, start in enumerate(starts):
+        assert not isinstance(got[k], Exception), got[k]
+        text, finish, tokens = got[k]
+        assert (finish, tokens) == ("length", max_tokens)
+        assert text.startswith(start)
+
+
+def test_a_load_step_scales_decode_up_and_the_scale_down_drains(url, long_llama):
+    """decode-replicas 1:2, target 2 open requests per replica. Eight long streams at once make
+    Serve add the second decode replica; then two long streams, one on each, are below the
+    target, and Serve removes a replica while they run: it drains, and both end whole and right."""
+    import threading
+    import time
+    options = RayServeOptions(
+        str(long_llama), decode_replicas=(1, 2), replica_cpus=0.25, max_local_prefill_tokens=64,
+        engine_args=["--num-blocks", "2048", "--max-model-len", "4096", "--served-model-name", "tiny"],
+        target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=4,
+        autoscaling_config={"metrics_interval_s": 0.5, "look_back_period_s": 2},
+        ingress_actor_options={"num_cpus": 0, "resources": {"head": 0.01}})
+    serve.run(build_app(options, secret=SECRET), name="scale", route_prefix="/scale")
+    base = f"{url}/scale"
+
+    def running() -> int:
+        states = serve.status().applications["scale"].deployments["decode"].replica_states
+        return states.get("RUNNING", 0)
+
+    def streams(prompts: list[list[int]], max_tokens: int) -> tuple[list[threading.Thread], dict]:
+        texts: dict = {}
+
+        def one(k: int) -> None:
+            try:
+                texts[k] = _stream_whole(base, {"prompt": prompts[k], "max_tokens": max_tokens, "temperature": 0,
+                                                "ignore_eos": True})
+            except Exception as exc:  # noqa: BLE001 - reported below, with the others
+                texts[k] = exc
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
+        for t in threads:
+            t.start()
+        return threads, texts
+
+    llm = LLM(str(long_llama), num_blocks=2048, max_model_len=4096)
+    try:
+        assert running() == 1
+        step = [[(k * 7919 + i * 104729) % 40000 + 3 for i in range(200)] for k in range(8)]
+        threads, texts = streams(step, 1500)
+        deadline = time.monotonic() + 90
+        while running() < 2:
+            assert time.monotonic() < deadline, serve.status().applications["scale"].deployments["decode"]
+            time.sleep(0.25)
+        for t in threads:
+            t.join(300)
+        _assert_whole_and_right(llm, step, texts, 1500)
+        assert running() == 2
+        tail = [[(k * 31 + i * 7) % 40000 + 3 for i in range(200)] for k in (100, 101)]
+        threads, texts = streams(tail, 3500)
+        deadline = time.monotonic() + 120
+        while running() > 1:
+            assert time.monotonic() < deadline, "Serve never scaled the decode deployment down"
+            time.sleep(0.25)
+        assert any(t.is_alive() for t in threads), "the streams ended before the scale-down: nothing drained"
+        for t in threads:
+            t.join(300)
+        _assert_whole_and_right(llm, tail, texts, 3500)  # the removed replica drained its stream
+    finally:
+        llm.shutdown()
+        serve.delete("scale")
 
 
 def _replica_node(deployment: str) -> str:

@@ -36,9 +36,11 @@ class RayServeOptions:
     target_ongoing_requests: float = 4.0  # Serve's autoscaling target per replica
     upscale_delay_s: float = 10.0  # how long the load must stay above the target (Serve's default: 30)
     downscale_delay_s: float = 120.0  # and below it (Serve's default: 600)
+    autoscaling_config: dict = field(default_factory=dict)  # more of Serve's autoscaling_config, as is
     prefill_max_ongoing: int = 16
     decode_max_ongoing: int = 64
     lease_s: float = 30.0
+    routing: str = "least-loaded"  # or kv-aware (entrypoints/ray_serve/router.py)
     # The ingress replicas (routing only: no CPU reserved); more than one, or custom resources
     # placing them on nodes that stay, keep requests alive when a node goes.
     ingress_replicas: int = 1
@@ -47,6 +49,7 @@ class RayServeOptions:
 
 def build_app(options: RayServeOptions, secret: str | None = None):
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
 
     from entrypoints.proxy import DisaggPolicy
     from entrypoints.ray_serve.ingress import PDIngress
@@ -57,24 +60,31 @@ def build_app(options: RayServeOptions, secret: str | None = None):
     KVSecret(secret)  # a secret too short is refused here, not in every replica
     sealed = SealedSecret(secret)
 
+    if options.routing not in ("least-loaded", "kv-aware"):
+        raise ValueError(f"routing must be least-loaded or kv-aware, got {options.routing!r}")
+    router = {} if options.routing != "kv-aware" else {"request_router_config": RequestRouterConfig(
+        request_router_class="entrypoints.ray_serve.router.KVAwareRequestRouter",
+        request_routing_stats_period_s=2)}
+
     def deployment(role: str, replicas: tuple[int, int], max_ongoing: int):
         lo, hi = replicas
         scaling = ({"num_replicas": lo} if lo == hi else {"autoscaling_config": {
             "min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": options.target_ongoing_requests,
-            "upscale_delay_s": options.upscale_delay_s, "downscale_delay_s": options.downscale_delay_s}})
+            "upscale_delay_s": options.upscale_delay_s, "downscale_delay_s": options.downscale_delay_s,
+            **options.autoscaling_config}})
         return serve.deployment(
             EngineReplica, name=role, ray_actor_options={"num_cpus": options.replica_cpus},
             max_ongoing_requests=max_ongoing, health_check_period_s=5, health_check_timeout_s=30,
             # Serve waits this long for a removed replica's open requests (and the prefill's held
             # offers, EngineReplica.__del__) before it kills the replica.
-            graceful_shutdown_wait_loop_s=1, graceful_shutdown_timeout_s=options.lease_s + 120, **scaling,
+            graceful_shutdown_wait_loop_s=1, graceful_shutdown_timeout_s=options.lease_s + 120, **scaling, **router,
         ).bind(options.model, role, list(options.engine_args), sealed, options.lease_s)
 
     prefill = deployment("prefill", options.prefill_replicas, options.prefill_max_ongoing)
     decode = deployment("decode", options.decode_replicas, options.decode_max_ongoing)
     ingress = serve.deployment(PDIngress, name="ingress", num_replicas=options.ingress_replicas,
                                ray_actor_options=options.ingress_actor_options, max_ongoing_requests=1000)
-    return ingress.bind(prefill, decode, DisaggPolicy(options.max_local_prefill_tokens))
+    return ingress.bind(prefill, decode, DisaggPolicy(options.max_local_prefill_tokens), options.routing, sealed)
 
 
 def app_builder(args: dict):
@@ -91,6 +101,10 @@ def app_builder(args: dict):
     for key in ("replica_cpus", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "lease_s"):
         if key in args:
             kwargs[key] = float(args.pop(key))
+    if "routing" in args:
+        kwargs["routing"] = str(args.pop("routing"))
+    if "autoscaling_config" in args:
+        kwargs["autoscaling_config"] = dict(args.pop("autoscaling_config"))
     for key in ("max_local_prefill_tokens", "prefill_max_ongoing", "decode_max_ongoing"):
         if key in args:
             kwargs[key] = int(args.pop(key))

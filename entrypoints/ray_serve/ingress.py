@@ -8,6 +8,8 @@ goes through a prefill replica); the client's first tokens come from the prefill
 replica continues from its KV; a hand-off nobody will use is released at once.
 """
 
+import asyncio
+import json
 import logging
 
 import httpx
@@ -17,6 +19,8 @@ from ray import serve
 from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import BackPressureError
 
+from engine.kv_transfer.secret import KVSecret
+from entrypoints.kv_router import KVRouter, PromptBlocks
 from entrypoints.protocol import FIRST_TOKENS_SHOWN, BodyError, read_json_object, request_id_of
 from entrypoints.proxy import (
     DisaggPolicy,
@@ -69,8 +73,17 @@ async def _relay(stream):
 
 @serve.ingress(app)
 class PDIngress:
-    def __init__(self, prefill, decode, disagg: DisaggPolicy = DisaggPolicy()) -> None:
+    def __init__(self, prefill, decode, disagg: DisaggPolicy = DisaggPolicy(), routing: str = "least-loaded",
+                 secret=None) -> None:
+        """``routing`` kv-aware: the deployments route by the replicas' KV events
+        (entrypoints/ray_serve/router.py), which this process follows with ``secret``."""
         self.prefill, self.decode, self.disagg = prefill, decode, disagg
+        self.kv: KVRouter | None = None
+        if routing == "kv-aware":  # one index per replica URL, prefill and decode replicas alike
+            from entrypoints.ray_serve.router import register
+            self.kv = KVRouter(secret=KVSecret(secret.reveal()) if secret else None)
+            register("prefill", self.kv)
+            register("decode", self.kv)
 
     @app.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
@@ -93,6 +106,12 @@ class PDIngress:
     async def health(self) -> Response:
         return JSONResponse({"ok": True})
 
+    @app.get("/status")
+    async def status(self) -> Response:
+        """This ingress replica's view of KV-aware routing: per engine URL, the blocks its index
+        holds and the requests it routed there with their predicted hits (as engine proxy's)."""
+        return JSONResponse({"kv_routing": self.kv.status() if self.kv is not None else None})
+
     async def handle(self, raw: Request, path: str) -> Response:
         try:
             body = await read_json_object(raw)
@@ -104,17 +123,19 @@ class PDIngress:
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
+        prompt = await self.prompt_of(body, headers)
         if body.get("echo") or body.get("prompt_logprobs") is not None:
-            return await self.on_decode(path, body, headers)  # every prompt position's logits: one instance
+            return await self.on_decode(path, body, headers, prompt)  # every prompt position's logits: one instance
         if self.disagg.conditional:
             limit = {"max_local_prefill_tokens": self.disagg.max_local_prefill_tokens}
-            answer = await self.on_decode(path, {**body, "kv_transfer_params": limit}, headers, may_decline=True)
+            answer = await self.on_decode(path, {**body, "kv_transfer_params": limit}, headers, prompt,
+                                          may_decline=True)
             if answer is not None:
                 return answer
-        prefilled = await self.prefill_remotely(path, body, headers)
+        prefilled = await self.prefill_remotely(path, body, headers, prompt)
         if not isinstance(prefilled, dict):
             if self.disagg.conditional and prefilled is None:
-                return await self.on_decode(path, body, headers)  # no prefill replica: prefill locally
+                return await self.on_decode(path, body, headers, prompt)  # no prefill replica: prefill locally
             return prefilled or error_response(502, "no prefill replica answered")
         params = prefilled.pop("kv_transfer_params")
         first = FirstTokens(prefilled, chat=path.endswith("chat/completions"))
@@ -129,21 +150,41 @@ class PDIngress:
         d_body = {**body, "kv_transfer_params": params}
         if body.get("stream"):
             return StreamingResponse(self.continue_stream(path, d_body, {**headers, FIRST_TOKENS_SHOWN: "1"},
-                                                          first, params),
+                                                          first, params, prompt),
                                      media_type="text/event-stream", headers={"X-Request-Id": request_id})
-        answer = await self.on_decode(path, d_body, headers)
+        answer = await self.on_decode(path, d_body, headers, prompt)
         if answer.status_code != 200:
             self.release(params, headers)
         return answer
 
-    async def prefill_remotely(self, path: str, body: dict, headers: dict) -> dict | Response | None:
+    async def prompt_of(self, body: dict, headers: dict) -> PromptBlocks | None:
+        """The prompt's block hashes for KV-aware routing, from a decode replica's tokenizer
+        (only the engine knows its chat template). None without KV-aware routing, or when the
+        prompt cannot be tokenized there: routed by load then."""
+        if self.kv is None:
+            return None
+        probe = {k: body[k] for k in ("model", "prompt", "messages", "chat_template", "add_generation_prompt")
+                 if k in body}
+        try:
+            status, content = await self.decode.call.remote("/tokenize", probe, headers)
+            answer = json.loads(content)
+            tokens, max_len = answer["tokens"], int(answer["max_model_len"])
+        except (RayError, BackPressureError, ValueError, KeyError, TypeError):
+            return None
+        if status != 200 or not isinstance(tokens, list) or len(tokens) > max_len:
+            return None
+        salt = body.get("cache_salt")
+        return await asyncio.to_thread(self.kv.prompt_blocks, tokens, salt if isinstance(salt, str) else None)
+
+    async def prefill_remotely(self, path: str, body: dict, headers: dict,
+                               prompt: PromptBlocks | None) -> dict | Response | None:
         """The prefill replica's answer (first tokens and kv_transfer_params), its error, or
         None when no prefill replica could take it."""
         p_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         p_body.pop("stream_options", None)
         try:
             status, content = await _on_a_live_replica(
-                "prefill", lambda: self.prefill.call.remote(path, p_body, headers))
+                "prefill", lambda: self.prefill.call.remote(path, p_body, headers, prompt_blocks=prompt))
         except (RayError, BackPressureError) as exc:
             logger.warning("prefill failed: %s", exc)
             return None
@@ -154,12 +195,14 @@ class PDIngress:
             return error_response(502, "the prefill replica returned no kv_transfer_params")
         return answer
 
-    async def on_decode(self, path: str, body: dict, headers: dict, may_decline: bool = False) -> Response | None:
+    async def on_decode(self, path: str, body: dict, headers: dict, prompt: PromptBlocks | None,
+                        may_decline: bool = False) -> Response | None:
         """The whole request on a decode replica (streamed through when asked). None: it
         declined to prefill the prompt itself (only with ``may_decline``)."""
         if body.get("stream"):
             try:
-                stream, status = await _on_a_live_replica("decode", lambda: self.open_stream(path, body, headers))
+                stream, status = await _on_a_live_replica(
+                    "decode", lambda: self.open_stream(path, body, headers, prompt))
             except (RayError, BackPressureError) as exc:
                 return _replica_error("decode", exc)
             if status != 200:
@@ -169,7 +212,8 @@ class PDIngress:
             return StreamingResponse(_relay(stream), media_type="text/event-stream",
                                      headers={"X-Request-Id": headers["X-Request-Id"]})
         try:
-            status, content = await _on_a_live_replica("decode", lambda: self.decode.call.remote(path, body, headers))
+            status, content = await _on_a_live_replica(
+                "decode", lambda: self.decode.call.remote(path, body, headers, prompt_blocks=prompt))
         except (RayError, BackPressureError) as exc:
             return _replica_error("decode", exc)
         if status != 200:
@@ -177,13 +221,14 @@ class PDIngress:
             return None if may_decline and _declined(error) else _passthrough_error(error)
         return Response(content, media_type="application/json", headers={"X-Request-Id": headers["X-Request-Id"]})
 
-    async def continue_stream(self, path: str, body: dict, headers: dict, first: FirstTokens, params):
+    async def continue_stream(self, path: str, body: dict, headers: dict, first: FirstTokens, params,
+                              prompt: PromptBlocks | None):
         """The first tokens at once, then the decode replica's stream after them."""
         if first.chat:
             yield first.role_chunk()
         yield first.continuing_chunk()
         try:
-            stream, status = await _on_a_live_replica("decode", lambda: self.open_stream(path, body, headers))
+            stream, status = await _on_a_live_replica("decode", lambda: self.open_stream(path, body, headers, prompt))
         except (RayError, BackPressureError) as exc:
             self.release(params, headers)
             yield _error_event(_replica_error("decode", exc))
@@ -197,9 +242,9 @@ class PDIngress:
         async for data in (_after_first_event(chunks) if first.chat else chunks):
             yield data
 
-    async def open_stream(self, path: str, body: dict, headers: dict):
+    async def open_stream(self, path: str, body: dict, headers: dict, prompt: PromptBlocks | None):
         """A decode replica's stream and its HTTP status, its first item."""
-        stream = self.decode.options(stream=True).stream.remote(path, body, headers)
+        stream = self.decode.options(stream=True).stream.remote(path, body, headers, prompt_blocks=prompt)
         return stream, await stream.__anext__()
 
     def release(self, params, headers: dict) -> None:

@@ -79,8 +79,7 @@ class EngineReplica:
                "--num-threads", str(cpus), "--role", role, "--kv-lease-s", str(lease_s), *engine_args]
         if role == "prefill":
             cmd += ["--kv-ip", host, "--kv-port", str(_free_port(host))]
-        else:
-            cmd += ["--kv-events"]  # for KV-aware routing (on the node's address, under the secret)
+        cmd += ["--kv-events"]  # for KV-aware routing (on the node's address, under the secret)
         self.log_path = tempfile.NamedTemporaryFile(prefix=f"engine-{role}-{port}-", suffix=".log",
                                                     delete=False).name
         with open(self.log_path, "w") as log:
@@ -112,7 +111,8 @@ class EngineReplica:
             return f.read()[-3000:]
 
     # ---- requests (through deployment handles) --------------------------------------------
-    async def call(self, path: str, body: dict, headers: dict) -> tuple[int, bytes]:
+    # ``prompt_blocks`` is the request router's (entrypoints/ray_serve/router.py), not ours.
+    async def call(self, path: str, body: dict, headers: dict, prompt_blocks=None) -> tuple[int, bytes]:
         """A whole answer: (HTTP status, body)."""
         resp = await self.http.post(f"{self.url}{path}", json=body, headers=headers)
         return resp.status_code, resp.content
@@ -121,7 +121,7 @@ class EngineReplica:
         resp = await self.http.get(f"{self.url}{path}", headers=headers)
         return resp.status_code, resp.content
 
-    async def stream(self, path: str, body: dict, headers: dict):
+    async def stream(self, path: str, body: dict, headers: dict, prompt_blocks=None):
         """The HTTP status first, then the body as it comes (a client that goes away cancels
         this generator, which closes the connection: the engine aborts the request)."""
         async with self.http.stream("POST", f"{self.url}{path}", json=body, headers=headers) as resp:

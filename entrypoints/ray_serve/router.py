@@ -1,0 +1,96 @@
+"""KV-aware routing as a Ray Serve request router (``engine ray-serve --routing kv-aware``):
+engine proxy's policy (entrypoints/kv_router.py: the instance holding most of the prompt's KV,
+from the replicas' KV events, traded against load) over Ray's replica set.
+
+Serve builds this router in every process that calls the deployment through a handle; the
+ingress registers its KVRouter (which follows the replicas' KV events with the deployment
+secret) in its own process under the deployment's name, and passes each request's prompt
+blocks as the ``prompt_blocks`` keyword. Each replica names its engine's URL and event
+endpoints in its routing stats (EngineReplica.record_routing_stats). Load is this router's own
+count of requests open on each replica. Where no KVRouter is registered (another caller of
+the deployment), or a request carries no prompt blocks, the least loaded replica is chosen.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from entrypoints.kv_router import KVRouter
+
+_REGISTERED: dict[str, KVRouter] = {}  # deployment name -> the KVRouter of this process
+
+
+def register(deployment: str, router: KVRouter) -> None:
+    _REGISTERED[deployment] = router
+
+
+@dataclass
+class _Candidate:  # what KVRouter.choose reads
+    url: str
+    in_flight: int
+    replica: RunningReplica
+
+
+class KVAwareRequestRouter(RequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        self._open: dict[ReplicaID, int] = {}
+        self._routed: dict[str, ReplicaID] = {}  # internal request id -> where it went
+        self._followed: dict[str, dict | None] = {}  # url -> the events it was followed with
+        self._counted: set[str] = set()  # requests counted in the KVRouter's hit statistics, until routed
+
+    @property
+    def _kv(self) -> KVRouter | None:
+        # Serve ships this class to the calling process by value, with copies of this module's
+        # globals: the registry that counts is the one of the module the ingress imported.
+        return importlib.import_module(__name__)._REGISTERED.get(self._deployment_id.name)
+
+    def _follow(self, replicas: list[RunningReplica]) -> None:
+        kv = self._kv
+        if kv is None:
+            return
+        live = set()
+        for replica in replicas:
+            stats = replica.routing_stats or {}
+            url = stats.get("url")
+            if not isinstance(url, str):
+                continue  # its first stats are not in yet
+            live.add(url)
+            if url not in self._followed or self._followed[url] != stats.get("kv_events"):
+                kv.watch(url, stats.get("kv_events"))
+                self._followed[url] = stats.get("kv_events")
+        for url in [u for u in self._followed if u not in live and replicas]:
+            kv.forget(url)
+            del self._followed[url]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._follow(replicas)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        self._follow(candidate_replicas)  # routing stats arrive after the replica set
+        by_load = sorted((_Candidate((r.routing_stats or {}).get("url", ""), self._open.get(r.replica_id, 0), r)
+                          for r in candidate_replicas), key=lambda c: c.in_flight)
+        kv = self._kv
+        prompt = pending_request.kwargs.get("prompt_blocks") if pending_request is not None else None
+        if not by_load:
+            return []
+        if kv is None or prompt is None:
+            return [[by_load[0].replica], [c.replica for c in by_load[1:]]]
+        best, hit = kv.choose(by_load, prompt)
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self._counted:  # asked again after a backoff: counted once
+            self._counted.add(request_id)
+            kv.count(best.url, prompt, hit)
+        return [[best.replica], [c.replica for c in by_load if c is not best]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self._open[replica_id] = self._open.get(replica_id, 0) + 1
+        self._routed[pending_request.metadata.internal_request_id] = replica_id
+        self._counted.discard(pending_request.metadata.internal_request_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._routed.pop(internal_request_id, None) is not None:
+            self._open[replica_id] = max(0, self._open.get(replica_id, 1) - 1)
