@@ -131,6 +131,24 @@ def error_response(status: int, message: str, kind: str = "upstream_error", para
                         status_code=status)
 
 
+async def read_client_request(raw: Request, id_prefix: str) -> tuple[dict, dict] | JSONResponse:
+    """A client's request as a front (engine proxy, the Ray ingress) passes it on: (the body,
+    with its request id and without kv_transfer_params, which are the front's to set; the
+    headers for the instances: request id, content type, the client's Authorization), or the
+    400 for a body that is not a JSON object."""
+    try:
+        body = await read_json_object(raw)
+        request_id = request_id_of(body.get("request_id"), raw.headers.get("x-request-id"), id_prefix)
+    except BodyError as exc:
+        return error_response(exc.status, exc.message, "invalid_request_error", exc.param)
+    body["request_id"] = request_id
+    body.pop("kv_transfer_params", None)
+    headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+    if "authorization" in raw.headers:
+        headers["Authorization"] = raw.headers["authorization"]
+    return body, headers
+
+
 class Proxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
                  timeout: float = 300.0, connect_timeout: float = 5.0,
@@ -279,13 +297,6 @@ class Proxy:
                         logger.warning("cannot follow the KV events of %s yet: %s", url, exc)
             await asyncio.sleep(STATUS_POLL_S)
 
-    @staticmethod
-    def _headers(raw: Request, request_id: str) -> dict:
-        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
-        if "authorization" in raw.headers:
-            headers["Authorization"] = raw.headers["authorization"]
-        return headers
-
     def _upstream_error(self, role: str, upstream: Upstream, exc: httpx.HTTPError) -> JSONResponse:
         if isinstance(exc, httpx.ConnectError):
             return error_response(502, f"{role} {upstream.url} unreachable: {exc}")
@@ -354,14 +365,11 @@ class Proxy:
         logger.info("%s: %s prefill (%s)", request_id, path, reason)
 
     async def handle(self, raw: Request, path: str) -> Response:
-        try:
-            body = await read_json_object(raw)
-            request_id = request_id_of(body.get("request_id"), raw.headers.get("x-request-id"), "px")
-        except BodyError as exc:
-            return error_response(exc.status, exc.message, "invalid_request_error", exc.param)
-        body["request_id"] = request_id
-        body.pop("kv_transfer_params", None)  # the proxy's to set, never a client's
-        headers = self._headers(raw, request_id)
+        read = await read_client_request(raw, "px")
+        if isinstance(read, Response):
+            return read
+        body, headers = read
+        request_id = body["request_id"]
         prompt = await self.prompt_of(path, body, headers)
         if not self.prefills:  # plain replicas
             return await self._local_or_502(raw, path, body, headers, prompt)

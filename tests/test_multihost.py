@@ -76,9 +76,7 @@ class Deployment:
         try:
             self.p_host, self.d_host, self.d2_host, self.x_host = (
                 self.network.add(n) for n in ("prefill", "decode", "decode2", "proxy"))
-            made = self.secret = tmp_path / "secret"
-            subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(made)], cwd=REPO, check=True,
-                           capture_output=True)
+            made = self.secret = _new_secret(tmp_path / "secret")
             secrets = {}
             for host in (self.p_host, self.d_host, self.d2_host, self.x_host):
                 (tmp_path / host.name).mkdir()
@@ -383,6 +381,20 @@ def _complete_or_error(url: str, prompt: list[int]):
         return exc
 
 
+def _redis_on(host) -> subprocess.Popen:
+    """A redis-server on ``host``'s address (no persistence: the tests' data only)."""
+    return subprocess.Popen(host.command(
+        ["redis-server", "--bind", host.address, "--port", "6379", "--save", "", "--appendonly", "no",
+         "--protected-mode", "no"]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _new_secret(path):
+    """A deployment secret made as the recipe says (engine secret PATH)."""
+    subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(path)], cwd=REPO, check=True,
+                   capture_output=True)
+    return path
+
+
 def test_redis_partitioned_away_is_skipped_and_comes_back(model, single, tmp_path):
     """A shared Redis tier on its own host, the engine on another. The link to Redis is cut (no
     refusal: calls hang until their 1 s timeout): the engine keeps answering, right and without
@@ -391,12 +403,8 @@ def test_redis_partitioned_away_is_skipped_and_comes_back(model, single, tmp_pat
     redis_proc = engine = None
     try:
         redis_host, engine_host = network.add("redis"), network.add("engine")
-        redis_proc = subprocess.Popen(redis_host.command(
-            ["redis-server", "--bind", redis_host.address, "--port", "6379", "--save", "", "--appendonly", "no",
-             "--protected-mode", "no"]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        secret = tmp_path / "secret"
-        subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(secret)], cwd=REPO, check=True,
-                       capture_output=True)
+        redis_proc = _redis_on(redis_host)
+        secret = _new_secret(tmp_path / "secret")
         engine = ServerProcess(str(model), *ARGS, "--kv-store", f"redis://{redis_host.address}:6379/0",
                                "--kv-chunk-tokens", "64", "--kv-secret-file", str(secret), host=engine_host)
         stored = lambda: engine.status()["kv_store"]["redis"]["bytes_stored"]  # noqa: E731
@@ -437,12 +445,8 @@ def test_the_prefill_host_gone_after_its_answer_leaves_decode_the_shared_tier(mo
     redis_proc = prefill = decode = None
     try:
         redis_host, p_host, d_host = network.add("redis"), network.add("prefill"), network.add("decode")
-        redis_proc = subprocess.Popen(redis_host.command(
-            ["redis-server", "--bind", redis_host.address, "--port", "6379", "--save", "", "--appendonly", "no",
-             "--protected-mode", "no"]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        secret = tmp_path / "secret"
-        subprocess.run([sys.executable, "-m", "entrypoints.cli", "secret", str(secret)], cwd=REPO, check=True,
-                       capture_output=True)
+        redis_proc = _redis_on(redis_host)
+        secret = _new_secret(tmp_path / "secret")
         store = ("--kv-store", f"redis://{redis_host.address}:6379/0", "--kv-chunk-tokens", "32",
                  "--kv-secret-file", str(secret))
         prefill = ServerProcess(str(model), *ARGS, *store, "--role", "prefill", "--kv-port", str(KV_PORT),

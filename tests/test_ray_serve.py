@@ -110,8 +110,12 @@ def test_replicas_get_the_secret_through_ray_and_no_log_holds_it(url, cluster):
     prefill = serve.get_deployment_handle("prefill", app_name="engine")
     status = prefill.status.remote().result(timeout_s=30)
     assert status["kv_transfer"]["auth_failures"] == {}
+    import tempfile
     session_dir = ray._private.worker._global_node.get_session_dir_path()
     logs = [p for p in glob.glob(f"{session_dir}/logs/**/*", recursive=True) if os.path.isfile(p)]
+    engine_logs = glob.glob(f"{tempfile.gettempdir()}/engine-prefill-*.log")
+    assert engine_logs  # the engines' own logs too
+    logs += engine_logs
     assert logs
     for path in logs:
         with open(path, "rb") as f:
@@ -145,10 +149,10 @@ def test_kv_aware_routing_keeps_a_conversation_where_its_kv_is(url, tiny_llama, 
         for turn in range(8):
             resp = httpx.post(f"{base}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
             assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == _want(colocated, prompt)
-            if turn == 0:  # the router must see the pulled blocks before the next turn
+            if turn == 0:  # the router must see the decode's pulled blocks (not only P's) first
                 deadline = time.monotonic() + 60
-                while not any(i["index_blocks"] for i in httpx.get(f"{base}/status", timeout=10).json()[
-                        "kv_routing"] if i["kv_events"]):
+                while sum(1 for i in httpx.get(f"{base}/status", timeout=10).json()["kv_routing"]
+                          if i["index_blocks"]) < 2:
                     assert time.monotonic() < deadline, httpx.get(f"{base}/status").json()
                     time.sleep(0.5)
             prompt = prompt + [(turn * 31 + i * 7) % 40000 + 3 for i in range(40)]
@@ -246,8 +250,9 @@ def test_a_load_step_scales_decode_up_and_the_scale_down_drains(url, long_llama)
             time.sleep(0.25)
         for t in threads:
             t.join(300)
+            assert not t.is_alive(), "a stream hung"
+        assert running() == 2  # (not scaled down yet: 4 s below the target first)
         _assert_whole_and_right(llm, step, texts, 1500)
-        assert running() == 2
         tail = [[(k * 31 + i * 7) % 40000 + 3 for i in range(200)] for k in (100, 101)]
         threads, texts = streams(tail, 3500)
         deadline = time.monotonic() + 120
@@ -257,6 +262,7 @@ def test_a_load_step_scales_decode_up_and_the_scale_down_drains(url, long_llama)
         assert any(t.is_alive() for t in threads), "the streams ended before the scale-down: nothing drained"
         for t in threads:
             t.join(300)
+            assert not t.is_alive(), "a stream hung"
         _assert_whole_and_right(llm, tail, texts, 3500)  # the removed replica drained its stream
     finally:
         llm.shutdown()

@@ -38,6 +38,9 @@ class RayServeOptions:
     downscale_delay_s: float = 120.0  # and below it (Serve's default: 600)
     autoscaling_config: dict = field(default_factory=dict)  # more of Serve's autoscaling_config, as is
     prefill_max_ongoing: int = 16
+    # Requests waiting for a prefill replica beyond its max_ongoing: past them the ingress has
+    # the decode replica prefill a long prompt itself (engine proxy's --max-prefill-queue).
+    prefill_max_queued: int = 4
     decode_max_ongoing: int = 64
     lease_s: float = 30.0
     routing: str = "least-loaded"  # or kv-aware (entrypoints/ray_serve/router.py)
@@ -66,7 +69,7 @@ def build_app(options: RayServeOptions, secret: str | None = None):
         request_router_class="entrypoints.ray_serve.router.KVAwareRequestRouter",
         request_routing_stats_period_s=2)}
 
-    def deployment(role: str, replicas: tuple[int, int], max_ongoing: int):
+    def deployment(role: str, replicas: tuple[int, int], max_ongoing: int, **more):
         lo, hi = replicas
         scaling = ({"num_replicas": lo} if lo == hi else {"autoscaling_config": {
             "min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": options.target_ongoing_requests,
@@ -78,9 +81,11 @@ def build_app(options: RayServeOptions, secret: str | None = None):
             # Serve waits this long for a removed replica's open requests (and the prefill's held
             # offers, EngineReplica.__del__) before it kills the replica.
             graceful_shutdown_wait_loop_s=1, graceful_shutdown_timeout_s=options.lease_s + 120, **scaling, **router,
+            **more,
         ).bind(options.model, role, list(options.engine_args), sealed, options.lease_s)
 
-    prefill = deployment("prefill", options.prefill_replicas, options.prefill_max_ongoing)
+    prefill = deployment("prefill", options.prefill_replicas, options.prefill_max_ongoing,
+                         max_queued_requests=options.prefill_max_queued)
     decode = deployment("decode", options.decode_replicas, options.decode_max_ongoing)
     ingress = serve.deployment(PDIngress, name="ingress", num_replicas=options.ingress_replicas,
                                ray_actor_options=options.ingress_actor_options, max_ongoing_requests=1000)
@@ -105,7 +110,10 @@ def app_builder(args: dict):
         kwargs["routing"] = str(args.pop("routing"))
     if "autoscaling_config" in args:
         kwargs["autoscaling_config"] = dict(args.pop("autoscaling_config"))
-    for key in ("max_local_prefill_tokens", "prefill_max_ongoing", "decode_max_ongoing"):
+    if "ingress_actor_options" in args:
+        kwargs["ingress_actor_options"] = dict(args.pop("ingress_actor_options"))
+    for key in ("max_local_prefill_tokens", "prefill_max_ongoing", "prefill_max_queued", "decode_max_ongoing",
+                "ingress_replicas"):
         if key in args:
             kwargs[key] = int(args.pop(key))
     if args:

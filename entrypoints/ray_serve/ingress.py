@@ -21,7 +21,7 @@ from ray.serve.exceptions import BackPressureError
 
 from engine.kv_transfer.secret import KVSecret
 from entrypoints.kv_router import KVRouter, PromptBlocks
-from entrypoints.protocol import FIRST_TOKENS_SHOWN, BodyError, read_json_object, request_id_of
+from entrypoints.protocol import FIRST_TOKENS_SHOWN
 from entrypoints.proxy import (
     DisaggPolicy,
     FirstTokens,
@@ -31,6 +31,7 @@ from entrypoints.proxy import (
     _passthrough_error,
     _replay,
     error_response,
+    read_client_request,
 )
 
 logger = logging.getLogger("engine.ray_serve")
@@ -68,7 +69,7 @@ async def _relay(stream):
         async for data in stream:
             yield data
     except (RayError, BackPressureError) as exc:
-        yield "\n\n" + _error_event(_replica_error("decode", exc)).decode()
+        yield b"\n\n" + _error_event(_replica_error("decode", exc))
 
 
 @serve.ingress(app)
@@ -113,16 +114,11 @@ class PDIngress:
         return JSONResponse({"kv_routing": self.kv.status() if self.kv is not None else None})
 
     async def handle(self, raw: Request, path: str) -> Response:
-        try:
-            body = await read_json_object(raw)
-            request_id = request_id_of(body.get("request_id"), raw.headers.get("x-request-id"), "rs")
-        except BodyError as exc:
-            return error_response(exc.status, exc.message, "invalid_request_error", exc.param)
-        body["request_id"] = request_id
-        body.pop("kv_transfer_params", None)  # the ingress's to set, never a client's
-        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
-        if "authorization" in raw.headers:
-            headers["Authorization"] = raw.headers["authorization"]
+        read = await read_client_request(raw, "rs")
+        if isinstance(read, Response):
+            return read
+        body, headers = read
+        request_id = body["request_id"]
         prompt = await self.prompt_of(body, headers)
         if body.get("echo") or body.get("prompt_logprobs") is not None:
             return await self.on_decode(path, body, headers, prompt)  # every prompt position's logits: one instance
@@ -224,23 +220,31 @@ class PDIngress:
     async def continue_stream(self, path: str, body: dict, headers: dict, first: FirstTokens, params,
                               prompt: PromptBlocks | None):
         """The first tokens at once, then the decode replica's stream after them."""
-        if first.chat:
-            yield first.role_chunk()
-        yield first.continuing_chunk()
+        taken = False  # by a decode replica; else released below (also when the client left first)
+        stream = None
         try:
-            stream, status = await _on_a_live_replica("decode", lambda: self.open_stream(path, body, headers, prompt))
-        except (RayError, BackPressureError) as exc:
-            self.release(params, headers)
-            yield _error_event(_replica_error("decode", exc))
-            return
-        if status != 200:
-            self.release(params, headers)
-            content = b"".join([chunk async for chunk in stream])
-            yield _error_event(_passthrough_error(_as_response(status, content)))
-            return
-        chunks = _relay(stream)
-        async for data in (_after_first_event(chunks) if first.chat else chunks):
-            yield data
+            if first.chat:
+                yield first.role_chunk()
+            yield first.continuing_chunk()
+            try:
+                stream, status = await _on_a_live_replica(
+                    "decode", lambda: self.open_stream(path, body, headers, prompt))
+            except (RayError, BackPressureError) as exc:
+                yield _error_event(_replica_error("decode", exc))
+                return
+            if status != 200:
+                content = b"".join([chunk async for chunk in stream])
+                yield _error_event(_passthrough_error(_as_response(status, content)))
+                return
+            taken = True
+            chunks = _relay(stream)
+            async for data in (_after_first_event(chunks) if first.chat else chunks):
+                yield data
+        finally:
+            if not taken:
+                self.release(params, headers)
+            if stream is not None:
+                stream.cancel()  # the client left mid-stream: the replica closes its engine request
 
     async def open_stream(self, path: str, body: dict, headers: dict, prompt: PromptBlocks | None):
         """A decode replica's stream and its HTTP status, its first item."""

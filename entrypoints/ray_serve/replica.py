@@ -13,6 +13,8 @@ prefill keeps its held offers until their consumers pulled them or their lease e
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 import signal
@@ -49,12 +51,17 @@ class SealedSecret:
     __str__ = __repr__
 
 
-def _die_with_parent() -> None:
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
     """In the engine's process before exec: SIGTERM when the replica's process ends, however it
-    ends (a node lost kills the replica with SIGKILL; its engine must not outlive it)."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    ends (a node lost kills the replica with SIGKILL; its engine must not outlive it). A parent
+    gone before this ran is seen at once."""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _free_port(host: str) -> int:
@@ -84,9 +91,12 @@ class EngineReplica:
                                                     delete=False).name
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent,
+                                         preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                                          env={**os.environ, ENV_VAR: secret.reveal(), "PYTHONUNBUFFERED": "1"})
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+        # Idle connections dropped before the engine's uvicorn closes them (5 s): reusing one it
+        # is closing fails the request with nothing done (as engine proxy does).
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=httpx.Limits(
+            max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0))
         self._wait_ready()
         logger.info("%s replica: engine pid %d on %s (%d CPUs), log %s", role, self.proc.pid, self.url, cpus,
                     self.log_path)
@@ -148,7 +158,7 @@ class EngineReplica:
             stats["kv_events"] = status.get("kv_events")
             stats["held_for_transfer"] = status["requests"]["held_for_transfer"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            pass
+            pass  # no kv_events key: the routers keep following what they followed
         return stats
 
     async def check_health(self) -> None:

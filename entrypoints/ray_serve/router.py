@@ -36,7 +36,9 @@ class _Candidate:  # what KVRouter.choose reads
 class KVAwareRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._open: dict[ReplicaID, int] = {}
-        self._routed: dict[str, ReplicaID] = {}  # internal request id -> where it went
+        # (internal request id, replica) -> calls open there: a request's calls share its id
+        # (a handle call made while serving a request inherits it).
+        self._routed: dict[tuple[str, ReplicaID], int] = {}
         self._followed: dict[str, dict | None] = {}  # url -> the events it was followed with
         self._counted: set[str] = set()  # requests counted in the KVRouter's hit statistics, until routed
 
@@ -57,6 +59,8 @@ class KVAwareRequestRouter(RequestRouter):
             if not isinstance(url, str):
                 continue  # its first stats are not in yet
             live.add(url)
+            if "kv_events" not in stats:
+                continue  # its engine did not answer this time: keep following what we followed
             if url not in self._followed or self._followed[url] != stats.get("kv_events"):
                 kv.watch(url, stats.get("kv_events"))
                 self._followed[url] = stats.get("kv_events")
@@ -87,10 +91,15 @@ class KVAwareRequestRouter(RequestRouter):
         return [[best.replica], [c.replica for c in by_load if c is not best]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        key = (pending_request.metadata.internal_request_id, replica_id)
         self._open[replica_id] = self._open.get(replica_id, 0) + 1
-        self._routed[pending_request.metadata.internal_request_id] = replica_id
+        self._routed[key] = self._routed.get(key, 0) + 1
         self._counted.discard(pending_request.metadata.internal_request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self._routed.pop(internal_request_id, None) is not None:
+        key = (internal_request_id, replica_id)
+        if self._routed.get(key):
+            self._routed[key] -= 1
+            if not self._routed[key]:
+                del self._routed[key]
             self._open[replica_id] = max(0, self._open.get(replica_id, 1) - 1)
