@@ -61,7 +61,8 @@ class KVConnectorStats:
     auth_failures: dict[str, int] = field(default_factory=dict)  # messages the KV server refused, by reason
     # Per KV store tier: hits, misses, bytes_stored, bytes_loaded, used_bytes, load_seconds, rejected.
     stores: dict[str, dict] = field(default_factory=dict)
-    # Per producer (its KV address), the pulls that completed: pulls, tokens, bytes, seconds.
+    # Per producer (its KV address), totals since start: pulls (those that timed out included, also
+    # counted in timeouts), tokens, bytes (of the pulls that completed), seconds.
     pulls: dict[str, dict] = field(default_factory=dict)
 
 
