@@ -407,12 +407,7 @@ class Proxy:
         first = FirstTokens(answer, chat=path.endswith("chat/completions"))
         if first.final:  # every sequence ended with its first token: P's answer is the answer
             self.release(prefilled_on, params, headers)  # P keeps it on offer for vLLM's routers
-            if body.get("stream"):
-                include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
-                    "include_usage")
-                return StreamingResponse(_replay(first.final_stream(include_usage)), media_type="text/event-stream",
-                                         headers={"X-Request-Id": request_id})
-            return JSONResponse(answer, headers={"X-Request-Id": request_id})
+            return first.final_response(body, request_id)
         d_body = {**body, "kv_transfer_params": params}
         taken = prefilled_on.hand_off()  # held there until D pulls it
         extra = self.transfer_load(params)
@@ -611,6 +606,16 @@ class FirstTokens:
     def continuing_chunk(self) -> str:
         """The sequences D continues; those that ended with their first token come from D whole."""
         return self._chunk([self._delta(c, finish=False) for c in self.choices if c.get("finish_reason") is None])
+
+    def final_response(self, body: dict, request_id: str) -> Response:
+        """P's answer as the answer (every sequence ended with its first token), streamed if
+        the client's ``body`` asked for a stream."""
+        if body.get("stream"):
+            options = body.get("stream_options")
+            usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            return StreamingResponse(_replay(self.final_stream(usage)), media_type="text/event-stream",
+                                     headers={"X-Request-Id": request_id})
+        return JSONResponse(self.answer, headers={"X-Request-Id": request_id})
 
     def final_stream(self, include_usage: bool) -> list[str]:
         events = [self.role_chunk()] if self.chat else []

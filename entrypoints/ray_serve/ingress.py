@@ -29,7 +29,6 @@ from entrypoints.proxy import (
     _declined,
     _error_event,
     _passthrough_error,
-    _replay,
     error_response,
     read_client_request,
 )
@@ -137,12 +136,7 @@ class PDIngress:
         first = FirstTokens(prefilled, chat=path.endswith("chat/completions"))
         if first.final:  # every sequence ended with its first token
             self.release(params, headers)
-            if body.get("stream"):
-                options = body.get("stream_options")
-                usage = isinstance(options, dict) and bool(options.get("include_usage"))
-                return StreamingResponse(_replay(first.final_stream(usage)), media_type="text/event-stream",
-                                         headers={"X-Request-Id": request_id})
-            return JSONResponse(prefilled, headers={"X-Request-Id": request_id})
+            return first.final_response(body, request_id)
         d_body = {**body, "kv_transfer_params": params}
         if body.get("stream"):
             return StreamingResponse(self.continue_stream(path, d_body, {**headers, FIRST_TOKENS_SHOWN: "1"},
