@@ -189,9 +189,13 @@ class EventSubscriber(threading.Thread):
         replay = self.replay
         # The publisher stops at ``until`` (its 8 extra bytes; a vLLM publisher ignores them).
         request = first.to_bytes(8, "big") + (until.to_bytes(8, "big") if until is not None else b"")
-        replay.send_multipart([b"", request])
+        # zmq has nowhere to queue the request while the connection is down after a failed
+        # transport handshake (an instance holding another secret): a blocking send would hang.
+        sent = bool(replay.poll(REPLAY_TIMEOUT_MS, zmq.POLLOUT))
+        if sent:
+            replay.send_multipart([b"", request], flags=zmq.NOBLOCK)
         expected, received = first, False
-        while replay.poll(REPLAY_TIMEOUT_MS):
+        while sent and replay.poll(REPLAY_TIMEOUT_MS):
             frames = replay.recv_multipart()
             if len(frames) != 3 or frames[1] == END_OF_REPLAY:
                 return

@@ -153,7 +153,9 @@ class _Subscriber:
         return out
 
     def replayed(self, start: int, timeout_ms: int = 5000) -> list[tuple[int, _KVEventBatch]] | None:
-        self.replay.send_multipart([b"", start.to_bytes(8, "big")])
+        if not self.replay.poll(timeout_ms, zmq.POLLOUT):
+            return None  # no connection to send on (a failed CURVE handshake leaves none)
+        self.replay.send_multipart([b"", start.to_bytes(8, "big")], flags=zmq.NOBLOCK)
         out = []
         while self.replay.poll(timeout_ms):
             _, seq, payload = self.replay.recv_multipart()

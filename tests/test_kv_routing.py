@@ -5,13 +5,15 @@ outputs a single instance gives, and moves on when an instance dies."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
 import pytest
+import zmq
 
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher, KVEventsConfig
-from entrypoints.kv_router import EventSubscriber, InstanceIndex
+from entrypoints.kv_router import REPLAY_TIMEOUT_MS, EventSubscriber, InstanceIndex
 from tests.disagg_utils import ProxyProcess
 from tests.server_utils import ServerProcess, free_port, wait_for
 
@@ -101,6 +103,35 @@ def test_events_over_ipv6_with_ports_chosen_at_bind():
         wait_for(lambda: index.hashes == {b"a"}, timeout=10, state=lambda: index)
         subscriber.stop()
         subscriber.join(5)
+    finally:
+        publisher.shutdown()
+
+
+def test_a_router_without_the_secret_learns_nothing_and_never_hangs():
+    """The instance's sockets are CURVE servers (it has a secret); the router has none. Its
+    handshakes fail, which leaves zmq no connection to queue a replay request on: the router
+    must give up on the replay (index empty), not block in the send, and stop when told."""
+    from engine.kv_transfer.secret import KVSecret
+    config = KVEventsConfig(True, endpoint=f"tcp://127.0.0.1:{free_port()}",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    publisher = KVEventPublisher(config, secret=KVSecret("the-deployment-secret-0123456789"))
+    try:
+        publisher.publish([_stored(b"a")])
+        index = InstanceIndex("x")
+        subscriber = EventSubscriber(index, config.endpoint, config.replay_endpoint, config.topic)
+        subscriber.replay = subscriber._socket(zmq.DEALER, config.replay_endpoint)
+        wait_for(lambda: not subscriber.replay.poll(0, zmq.POLLOUT), timeout=10)  # the handshake failed
+        replaying = threading.Thread(target=subscriber._replay, args=(0,), daemon=True)
+        replaying.start()
+        replaying.join(REPLAY_TIMEOUT_MS / 1000 + 5)
+        assert not replaying.is_alive(), "the replay request blocked"
+        assert index.hashes == set() and index.last_seq == -1
+        subscriber.start()  # the whole watcher: starts, learns nothing, stops when told
+        time.sleep(1)
+        subscriber.stop()
+        subscriber.join(REPLAY_TIMEOUT_MS / 1000 + 5)
+        assert not subscriber.is_alive(), "the watcher did not stop"
+        assert index.hashes == set()
     finally:
         publisher.shutdown()
 

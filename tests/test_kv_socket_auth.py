@@ -429,3 +429,36 @@ def test_a_consumer_whose_session_was_dropped_reconnects(producer, ctx, monkeypa
     finally:
         newer.close()
         consumer.shutdown()
+
+
+def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by_its_deadline(monkeypatch):
+    """The consumer keeps its socket to an address; the producer there restarts with
+    --kv-encrypt, so zmq's reconnects fail their transport handshake and leave it no connection
+    to queue a pull on. The pull fails by its deadline (a blocking send would hang the puller
+    for ever), and the puller goes on serving other producers."""
+    monkeypatch.setattr(p2p_consumer, "NUM_PULLERS", 1)  # one puller: the one that would hang
+    port = free_port()
+    first = P2PConnectorWorker(ENGINE_ID, FINGERPRINT, "127.0.0.1", port, secret=SECRET)
+    first.register_kv_caches(torch.randn(SHAPE))
+    consumer, restarted, other = _consumer(), None, _producer()
+    try:
+        _offer(first, "a", list(range(3)))
+        assert _load(consumer, "a", _tcp(first), list(range(3))).finished_recving == {"a"}
+        first.shutdown()
+        restarted = P2PConnectorWorker(ENGINE_ID, FINGERPRINT, "127.0.0.1", port, secret=SECRET, encrypt=True)
+        restarted.register_kv_caches(torch.randn(SHAPE))
+        _offer(restarted, "b", list(range(3)))
+        time.sleep(1.5)  # zmq reconnects (every 100 ms) and the handshake fails
+        start = time.monotonic()
+        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec("b", _tcp(restarted), "b", 0, list(range(3)),
+                                                           time.monotonic() + 3, "tokens")]))
+        out = _load_result(consumer, timeout=10)
+        assert out.failed_recving == {"b"}, out
+        assert time.monotonic() - start < 6
+        _offer(other, "c", list(range(3)))
+        assert _load(consumer, "c", _tcp(other), list(range(3))).finished_recving == {"c"}
+    finally:
+        consumer.shutdown()
+        other.shutdown()
+        if restarted is not None:
+            restarted.shutdown()

@@ -66,9 +66,16 @@ class Peer:
     kv: torch.Tensor | None
     session: SessionTag
 
-    def send(self, msg: WireMessage, flags: int = 0) -> None:
+    def send(self, msg: WireMessage, deadline: float) -> bool:
+        """Queue ``msg``; False when the socket takes nothing before ``deadline``. That happens
+        when zmq has no connection to queue on, e.g. after a reconnect whose transport handshake
+        failed (a producer restarted on the address with other --kv-encrypt settings): a
+        blocking send would wait for ever."""
+        if not self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+            return False
         body = encode(msg)
-        self.sock.send_multipart([body, self.session.next(body)], flags=flags)
+        self.sock.send_multipart([body, self.session.next(body)], flags=zmq.NOBLOCK)
+        return True
 
 
 REFUSED = "auth: the KV peer refused us"
@@ -161,9 +168,8 @@ class P2PConsumer:
                     unreachable.pop(addr, None)
                     peers[addr] = peer
                 kind = Release if isinstance(job, ReleaseSpec) else Renew
-                try:  # never blocks: a peer that takes nothing (gone without a FIN) is dropped
-                    peers[addr].send(kind(job.remote_request_id, job.token_digest), zmq.NOBLOCK)
-                except zmq.ZMQError:
+                # Never waits: a peer that takes nothing (gone without a FIN) is dropped.
+                if not peers[addr].send(kind(job.remote_request_id, job.token_digest), deadline=0.0):
                     peers.pop(addr).sock.close(linger=0)
                     unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
         finally:
@@ -284,8 +290,9 @@ class P2PConsumer:
             peers[addr] = peer
         transfer_id = uuid.uuid4().hex
         start = time.perf_counter()
-        peer.send(Pull(transfer_id, job.remote_request_id, job.start_block, len(job.block_ids),
-                       job.token_digest, shm=peer.kv is not None))
+        if not peer.send(Pull(transfer_id, job.remote_request_id, job.start_block, len(job.block_ids),
+                              job.token_digest, shm=peer.kv is not None), job.deadline):
+            return f"timeout: the connection to {addr} takes nothing (is its transport handshake failing?)"
         got = self._recv(peer.sock, job.deadline, lambda m: getattr(m, "transfer_id", None) == transfer_id,
                          job.req_id)
         if isinstance(got, str):
@@ -324,7 +331,8 @@ class P2PConsumer:
         if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer.kv.shape[2]:
             return "frame rejected: bad shared-memory grant"
         self._copy_blocks(peer.kv, grant.block_ids, job.block_ids)
-        peer.send(ShmDone(transfer_id, job.remote_request_id))
+        if not peer.send(ShmDone(transfer_id, job.remote_request_id), job.deadline):
+            return "timeout: the producer's connection takes nothing"
         got = self._recv(peer.sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
                          job.req_id)
         if isinstance(got, str):
