@@ -8,12 +8,19 @@ reference. The workload: --conversations chats of --turns turns, interleaved (--
 at a time); every turn resends the whole history (the user's new message plus the model's
 answers so far), streamed, greedy. Fresh instances per policy.
 
+Policies ray-kv-aware and ray-least-loaded run the same replicas as `engine ray-serve
+--prefill-replicas 0 --decode-replicas 4 --routing kv-aware|least-loaded` on a local Ray
+cluster of 4 one-CPU nodes (benchmarks/ray_local.py; needs `pip install 'engine[ray]'`): Serve
+places one replica per node and routes through the engine's request router or its own; the
+replicas are not pinned to a core (Ray gives each a CPU, not a core).
+
 Reported per policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, from each
 answer's usage.prompt_tokens_details.cached_tokens), TTFT median and p99, and the spread of
 load (prompt tokens per instance, max / mean). Targets (issue 17): kv-aware hit rate >= 90% of
 the single big instance's; TTFT median >= 2x better than least-loaded; max load <= 1.5x mean.
 
     python benchmarks/routing.py [--conversations 16] [--turns 6] [--concurrency 4] [--num-blocks 48]
+        [--policies kv-aware ray-kv-aware single ...]
 """
 from __future__ import annotations
 
@@ -134,6 +141,27 @@ def summarize(name: str, results: list[dict], loads: list[int] | None) -> dict:
     return row
 
 
+def run_on_ray(policy: str, args, common: list[str]) -> dict:
+    """The replicas as decode replicas of `engine ray-serve` (no prefill deployment), one per node."""
+    from benchmarks.ray_local import ray_serve_app
+    from engine.worker.loader import resolve_model
+
+    options = {"model": str(resolve_model(args.model)), "prefill_replicas": (0, 0),
+               "decode_replicas": (args.instances, args.instances), "routing": policy[len("ray-"):],
+               "engine_args": [*common, "--num-blocks", str(args.num_blocks)]}
+    with ray_serve_app(options, nodes=args.instances) as url:  # every replica running
+        if policy == "ray-kv-aware":  # until the ingress follows every replica's KV events
+            httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 1}, timeout=60)
+            deadline = time.monotonic() + 60
+            while len(httpx.get(f"{url}/status", timeout=10).json()["kv_routing"]) < args.instances:
+                assert time.monotonic() < deadline, httpx.get(f"{url}/status", timeout=10).text
+                time.sleep(1)
+        results = asyncio.run(run_workload(url, args.conversations, args.turns, args.concurrency, args.max_tokens,
+                                           args.words, args.first_words))
+        engines = [i["url"] for i in (httpx.get(f"{url}/status", timeout=10).json()["kv_routing"] or [])]
+        return summarize(policy, results, instance_load(engines) if engines else None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -157,6 +185,9 @@ def main() -> None:
     for policy in args.policies:
         procs = []
         try:
+            if policy.startswith("ray-"):
+                rows.append(run_on_ray(policy, args, common))
+                continue
             if policy == "single":
                 proc, url = start(["serve", *model, *common, "--num-blocks", str(args.num_blocks * args.instances)])
                 procs.append(proc)
@@ -207,6 +238,11 @@ def main() -> None:
     if single and "kv-aware" in by:
         print(f"kv-aware hit rate {by['kv-aware']['hit_rate'] / max(single['hit_rate'], 1e-9):.0%} of the single "
               "big instance's (target >= 90%)")
+    if single and "ray-kv-aware" in by:
+        ray_rate = by["ray-kv-aware"]["hit_rate"]
+        print(f"ray-kv-aware hit rate {ray_rate / max(single['hit_rate'], 1e-9):.0%} of the single big instance's "
+              "(target >= 90%)" + (f", {ray_rate / max(by['kv-aware']['hit_rate'], 1e-9):.0%} of engine proxy's "
+                                   "kv-aware (target >= 90%)" if "kv-aware" in by else ""))
 
 
 if __name__ == "__main__":

@@ -402,7 +402,8 @@ def cmd_ray_serve(args: argparse.Namespace) -> int:
     # Every node needs the model at this path (a shared or identical file system).
     model = args.model_path if args.model_path and os.path.exists(args.model_path) else str(
         resolve_model(args.model_path))
-    options = RayServeOptions(model, parse_replicas(args.prefill_replicas), parse_replicas(args.decode_replicas),
+    options = RayServeOptions(model, parse_replicas(args.prefill_replicas, none_allowed=True),
+                              parse_replicas(args.decode_replicas),
                               engine_args, args.replica_cpus, args.max_local_prefill_tokens,
                               args.target_ongoing_requests, routing=args.routing)
     ray.init(address=args.address)
@@ -553,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(pip install 'engine[ray]'; docs/ray.md); engine serve flags after --")
     rs.add_argument("model_path", nargs="?", default=None, metavar="MODEL")
     rs.add_argument("--prefill-replicas", default="1", metavar="N|MIN:MAX",
-                    help="prefill replicas: a number, or MIN:MAX for Serve's autoscaling (default 1)")
+                    help="prefill replicas: a number, or MIN:MAX for Serve's autoscaling (default 1); 0: none, "
+                         "every request on a decode replica")
     rs.add_argument("--decode-replicas", default="1", metavar="N|MIN:MAX",
                     help="decode replicas: a number, or MIN:MAX for Serve's autoscaling (default 1)")
     rs.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",

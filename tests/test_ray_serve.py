@@ -251,6 +251,10 @@ def test_replica_counts_and_the_config_files_arguments_are_checked():
     for bad in ("0", "4:2", "x", "1:", ":3", "-1:2"):
         with pytest.raises(ValueError):
             parse_replicas(bad)
+    assert parse_replicas("0", none_allowed=True) == (0, 0)  # --prefill-replicas 0: no prefill deployment
+    for bad in ("0:2", "0:0:1", "-1"):
+        with pytest.raises(ValueError):
+            parse_replicas(bad, none_allowed=True)
     with pytest.raises(ValueError, match="unknown engine ray-serve arguments: replicas"):
         app_builder({"model": "m", "replicas": 3})
     assert app_builder({"model": "m", "prefill_replicas": "1:4", "decode_replicas": 2, "replica_cpus": 2,

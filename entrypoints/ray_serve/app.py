@@ -13,13 +13,16 @@ from dataclasses import dataclass, field
 from engine.kv_transfer.secret import ENV_VAR, KVSecret, new_secret
 
 
-def parse_replicas(text: str | int) -> tuple[int, int]:
-    """"N" (fixed) or "MIN:MAX" (autoscaled), as --prefill-replicas and --decode-replicas take them."""
+def parse_replicas(text: str | int, none_allowed: bool = False) -> tuple[int, int]:
+    """"N" (fixed) or "MIN:MAX" (autoscaled), as --prefill-replicas and --decode-replicas take
+    them; with ``none_allowed`` (prefill) also "0": no such deployment."""
     lo, colon, hi = str(text).partition(":")
     try:
         bounds = int(lo), int(hi if colon else lo)
     except ValueError:
         raise ValueError(f"replicas must be N or MIN:MAX, got {text!r}") from None
+    if none_allowed and bounds == (0, 0):
+        return bounds
     if not 0 < bounds[0] <= bounds[1]:
         raise ValueError(f"replicas must be N or MIN:MAX with 0 < MIN <= MAX, got {text!r}")
     return bounds
@@ -84,8 +87,10 @@ def build_app(options: RayServeOptions, secret: str | None = None):
             **more,
         ).bind(options.model, role, list(options.engine_args), sealed, options.lease_s)
 
-    prefill = deployment("prefill", options.prefill_replicas, options.prefill_max_ongoing,
-                         max_queued_requests=options.prefill_max_queued)
+    # No prefill replicas: every request on a decode replica, which prefills it itself (replicas
+    # of a colocated engine, routed by Serve).
+    prefill = None if options.prefill_replicas == (0, 0) else deployment(
+        "prefill", options.prefill_replicas, options.prefill_max_ongoing, max_queued_requests=options.prefill_max_queued)
     decode = deployment("decode", options.decode_replicas, options.decode_max_ongoing)
     ingress = serve.deployment(PDIngress, name="ingress", num_replicas=options.ingress_replicas,
                                ray_actor_options=options.ingress_actor_options, max_ongoing_requests=1000)
@@ -100,7 +105,7 @@ def app_builder(args: dict):
     kwargs = {}
     for key in ("prefill_replicas", "decode_replicas"):
         if key in args:
-            kwargs[key] = parse_replicas(args.pop(key))
+            kwargs[key] = parse_replicas(args.pop(key), none_allowed=key == "prefill_replicas")
     if "engine_args" in args:
         kwargs["engine_args"] = [str(a) for a in args.pop("engine_args")]
     for key in ("replica_cpus", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "lease_s"):

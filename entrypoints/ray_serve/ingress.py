@@ -75,7 +75,7 @@ async def _relay(stream):
 class PDIngress:
     def __init__(self, prefill, decode, disagg: DisaggPolicy = DisaggPolicy(), routing: str = "least-loaded",
                  secret=None) -> None:
-        """``routing`` kv-aware: the deployments route by the replicas' KV events
+        """``prefill`` None: no prefill deployment (every request on a decode replica). ``routing`` kv-aware: the deployments route by the replicas' KV events
         (entrypoints/ray_serve/router.py), which this process follows with ``secret``."""
         self.prefill, self.decode, self.disagg = prefill, decode, disagg
         self.kv: KVRouter | None = None
@@ -119,8 +119,9 @@ class PDIngress:
         body, headers = read
         request_id = body["request_id"]
         prompt = await self.prompt_of(body, headers)
-        if body.get("echo") or body.get("prompt_logprobs") is not None:
-            return await self.on_decode(path, body, headers, prompt)  # every prompt position's logits: one instance
+        if self.prefill is None or body.get("echo") or body.get("prompt_logprobs") is not None:
+            # No prefill deployment; or every prompt position's logits asked for: one instance.
+            return await self.on_decode(path, body, headers, prompt)
         if self.disagg.conditional:
             limit = {"max_local_prefill_tokens": self.disagg.max_local_prefill_tokens}
             answer = await self.on_decode(path, {**body, "kv_transfer_params": limit}, headers, prompt,
@@ -248,6 +249,8 @@ class PDIngress:
     def release(self, params, headers: dict) -> None:
         """Tells the prefill holding a hand-off's KV that nobody will pull it (through any
         prefill replica, which passes it on; not awaited)."""
+        if self.prefill is None:
+            return
         for one in params if isinstance(params, list) else [params]:
             if isinstance(one, dict) and one.get("do_remote_prefill"):
                 self.prefill.release.remote(one, headers)

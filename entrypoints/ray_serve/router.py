@@ -13,6 +13,7 @@ the deployment), or a request carries no prompt blocks, the least loaded replica
 from __future__ import annotations
 
 import importlib
+import itertools
 from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -35,12 +36,13 @@ class _Candidate:  # what KVRouter.choose reads
 
 class KVAwareRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
+        # Calls sent to each replica and not completed. Counted at the send, which Serve reports
+        # before it registers the completion callback: a short call's completion can arrive
+        # before Serve reports it routed (on_request_routed), which left it counted for ever.
         self._open: dict[ReplicaID, int] = {}
-        # (internal request id, replica) -> calls open there: a request's calls share its id
-        # (a handle call made while serving a request inherits it).
-        self._routed: dict[tuple[str, ReplicaID], int] = {}
         self._followed: dict[str, dict | None] = {}  # url -> the events it was followed with
         self._counted: set[str] = set()  # requests counted in the KVRouter's hit statistics, until routed
+        self._turns = itertools.count()  # ties in load go round robin (engine proxy's ``ordered``)
 
     @property
     def _kv(self) -> KVRouter | None:
@@ -75,8 +77,10 @@ class KVAwareRequestRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._follow(candidate_replicas)  # routing stats arrive after the replica set
+        candidates = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        start = next(self._turns) % max(len(candidates), 1)
         by_load = sorted((_Candidate((r.routing_stats or {}).get("url", ""), self._open.get(r.replica_id, 0), r)
-                          for r in candidate_replicas), key=lambda c: c.in_flight)
+                          for r in candidates[start:] + candidates[:start]), key=lambda c: c.in_flight)
         kv = self._kv
         prompt = pending_request.kwargs.get("prompt_blocks") if pending_request is not None else None
         if not by_load:
@@ -90,16 +94,15 @@ class KVAwareRequestRouter(RequestRouter):
             kv.count(best.url, prompt, hit)
         return [[best.replica], [c.replica for c in by_load if c is not best]]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        key = (pending_request.metadata.internal_request_id, replica_id)
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
         self._open[replica_id] = self._open.get(replica_id, 0) + 1
-        self._routed[key] = self._routed.get(key, 0) + 1
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._counted.discard(pending_request.metadata.internal_request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        key = (internal_request_id, replica_id)
-        if self._routed.get(key):
-            self._routed[key] -= 1
-            if not self._routed[key]:
-                del self._routed[key]
-            self._open[replica_id] = max(0, self._open.get(replica_id, 1) - 1)
+        # Every sent call completes once (a replica's rejection too). Serve also reports a
+        # call that failed before it was sent: never below zero.
+        self._open[replica_id] = max(0, self._open.get(replica_id, 0) - 1)
+        self._counted.discard(internal_request_id)
