@@ -16,7 +16,8 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def ray_serve_app(options_kwargs: dict, nodes: int, cpus_per_node: float = 1.0):
-    """Yields the application's URL; ``options_kwargs`` are RayServeOptions' (model included)."""
+    """Yields (the application's URL, the Cluster, its replica nodes); ``options_kwargs`` are
+    RayServeOptions' (model included)."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -25,15 +26,14 @@ def ray_serve_app(options_kwargs: dict, nodes: int, cpus_per_node: float = 1.0):
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"head": 1}})
     try:
-        for _ in range(nodes):
-            cluster.add_node(num_cpus=cpus_per_node)
+        added = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(nodes)]
         ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
         port = _free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         options = RayServeOptions(**{"ingress_actor_options": {"num_cpus": 0, "resources": {"head": 0.01}},
                                      **options_kwargs})
         serve.run(build_app(options), name="engine", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", cluster, added
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()

@@ -149,7 +149,7 @@ def run_on_ray(policy: str, args, common: list[str]) -> dict:
     options = {"model": str(resolve_model(args.model)), "prefill_replicas": (0, 0),
                "decode_replicas": (args.instances, args.instances), "routing": policy[len("ray-"):],
                "engine_args": [*common, "--num-blocks", str(args.num_blocks)]}
-    with ray_serve_app(options, nodes=args.instances) as url:  # every replica running
+    with ray_serve_app(options, nodes=args.instances) as (url, _, _):  # every replica running
         if policy == "ray-kv-aware":  # until the ingress follows every replica's KV events
             httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 1}, timeout=60)
             deadline = time.monotonic() + 60

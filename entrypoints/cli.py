@@ -402,10 +402,12 @@ def cmd_ray_serve(args: argparse.Namespace) -> int:
     # Every node needs the model at this path (a shared or identical file system).
     model = args.model_path if args.model_path and os.path.exists(args.model_path) else str(
         resolve_model(args.model_path))
-    options = RayServeOptions(model, parse_replicas(args.prefill_replicas, none_allowed=True),
-                              parse_replicas(args.decode_replicas),
-                              engine_args, args.replica_cpus, args.max_local_prefill_tokens,
-                              args.target_ongoing_requests, routing=args.routing)
+    options = RayServeOptions(
+        model, prefill_replicas=parse_replicas(args.prefill_replicas, none_allowed=True),
+        decode_replicas=parse_replicas(args.decode_replicas), engine_args=engine_args,
+        replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
+        target_ongoing_requests=args.target_ongoing_requests, routing=args.routing)
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     logging.getLogger("engine").info("engine on Ray Serve at http://%s:%d: prefill replicas %s, decode replicas %s",
@@ -560,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode replicas: a number, or MIN:MAX for Serve's autoscaling (default 1)")
     rs.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
                     help="CPUs Ray reserves for each replica; its engine runs that many torch threads (default 1)")
+    rs.add_argument("--replica-gpus", type=float, default=0.0, metavar="N",
+                    help="GPUs Ray reserves for each replica (default 0); with one its engine runs on CUDA")
     rs.add_argument("--target-ongoing-requests", type=float, default=4.0, metavar="N",
                     help="autoscaling: Serve adds replicas while they average more open requests (default 4)")
     rs.add_argument("--routing", default="least-loaded", choices=["kv-aware", "least-loaded"],

@@ -259,3 +259,7 @@ def test_replica_counts_and_the_config_files_arguments_are_checked():
         app_builder({"model": "m", "replicas": 3})
     assert app_builder({"model": "m", "prefill_replicas": "1:4", "decode_replicas": 2, "replica_cpus": 2,
                         "engine_args": ["--max-model-len", 4096]}) is not None
+    app = app_builder({"model": "m", "prefill_replicas": 0, "decode_replicas": "1:2", "replica_gpus": 1})
+    decode = app._bound_deployment.init_args[1]._bound_deployment  # the ingress's second argument
+    assert decode.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert app._bound_deployment.init_args[0] is None  # no prefill deployment

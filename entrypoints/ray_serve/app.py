@@ -35,6 +35,7 @@ class RayServeOptions:
     decode_replicas: tuple[int, int] = (1, 1)
     engine_args: list[str] = field(default_factory=list)  # for every replica's `engine serve`
     replica_cpus: float = 1.0
+    replica_gpus: float = 0.0  # Ray sets the replica's CUDA_VISIBLE_DEVICES; its engine then runs on CUDA
     max_local_prefill_tokens: int = 512
     target_ongoing_requests: float = 4.0  # Serve's autoscaling target per replica
     upscale_delay_s: float = 10.0  # how long the load must stay above the target (Serve's default: 30)
@@ -79,7 +80,8 @@ def build_app(options: RayServeOptions, secret: str | None = None):
             "upscale_delay_s": options.upscale_delay_s, "downscale_delay_s": options.downscale_delay_s,
             **options.autoscaling_config}})
         return serve.deployment(
-            EngineReplica, name=role, ray_actor_options={"num_cpus": options.replica_cpus},
+            EngineReplica, name=role,
+            ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
             max_ongoing_requests=max_ongoing, health_check_period_s=5, health_check_timeout_s=30,
             # Serve waits this long for a removed replica's open requests (and the prefill's held
             # offers, EngineReplica.__del__) before it kills the replica.
@@ -108,7 +110,7 @@ def app_builder(args: dict):
             kwargs[key] = parse_replicas(args.pop(key), none_allowed=key == "prefill_replicas")
     if "engine_args" in args:
         kwargs["engine_args"] = [str(a) for a in args.pop("engine_args")]
-    for key in ("replica_cpus", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "lease_s"):
+    for key in ("replica_cpus", "replica_gpus", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "lease_s"):
         if key in args:
             kwargs[key] = float(args.pop(key))
     if "routing" in args:
