@@ -59,7 +59,7 @@ class Clients:
         with httpx.Client(timeout=300) as http:
             while not stop.is_set():
                 with self._lock:
-                    k, self._next = self._next, self._next + 1
+                    k, self._next, phase = self._next, self._next + 1, self.phase
                 body = {"messages": [{"role": "user", "content": f"Conversation {k}: tell me about the number {k}."}],
                         "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True}
                 try:
@@ -70,7 +70,7 @@ class Clients:
                     outcome = f"{type(exc).__name__}: {exc}"
                 with self._lock:
                     self.outcomes.append((time.monotonic(), outcome))
-                    self.served_by_phase[self.phase] = self.served_by_phase.get(self.phase, 0) + 1
+                    self.served_by_phase[phase] = self.served_by_phase.get(phase, 0) + 1  # by when it was sent
 
     def stop(self) -> None:
         self.set_count(0)
@@ -112,44 +112,55 @@ def main() -> None:
     marks: list[tuple[str, float]] = []
     with ray_serve_app(options, nodes=3) as (url, cluster, nodes):
         clients = Clients(url, args.max_tokens)
-        start = time.monotonic()
-        clients.set_count(args.clients)
-        marks.append(("load step starts", start))
-        marks.append(("Serve starts a 2nd replica", wait_for(lambda: decode_replicas().get("STARTING", 0)
-                                                             + decode_replicas().get("RUNNING", 0) >= 2, 300,
-                                                             "no 2nd replica")))
-        marks.append(("2nd replica running", wait_for(lambda: decode_replicas().get("RUNNING", 0) == 2, 600,
-                                                      "the 2nd replica never ran")))
-        time.sleep(args.hold)
-        clients.phase = "tail"
-        clients.set_count(2)
-        marks.append(("load step ends (2 clients)", time.monotonic()))
-        marks.append(("Serve removes a replica", wait_for(lambda: decode_replicas().get("RUNNING", 0) == 1, 600,
-                                                          "never scaled down")))
-        wait_for(lambda: len(replica_nodes()) == 1, 300, "the removed replica never ended")
-        marks.append(("the removed replica ended (drained)", time.monotonic()))
-        [node_id] = replica_nodes()
-        clients.phase = "node lost"
-        [node] = [n for n in nodes if n.node_id == node_id]
-        cluster.remove_node(node, allow_graceful=False)
-        lost_at = time.monotonic()
-        marks.append(("its node removed", lost_at))
-        marks.append(("a replacement running", wait_for(
-            lambda: decode_replicas().get("RUNNING", 0) >= 1 and node_id not in replica_nodes(), 600,
-            "no replacement")))
-        answered = wait_for(lambda: any(t > lost_at + 1 and o == "ok" for t, o in list(clients.outcomes)), 300,
-                            "nothing answered after the node loss")
-        marks.append(("first answer after the loss", answered))
-        time.sleep(5)
-        clients.stop()
+        try:
+            start = run(clients, cluster, nodes, args, marks)
+        finally:
+            clients.stop()
+    report(clients, args, marks, start)
+
+
+def run(clients: Clients, cluster, nodes, args, marks: list[tuple[str, float]]) -> float:
+    """The three phases; the time the load step started."""
+    start = time.monotonic()
+    clients.set_count(args.clients)
+    marks.append(("load step starts", start))
+    marks.append(("Serve starts a 2nd replica", wait_for(
+        lambda: decode_replicas().get("STARTING", 0) + decode_replicas().get("RUNNING", 0) >= 2, 300,
+        "no 2nd replica")))
+    marks.append(("2nd replica running", wait_for(lambda: decode_replicas().get("RUNNING", 0) == 2, 600,
+                                                  "the 2nd replica never ran")))
+    time.sleep(args.hold)
+    clients.phase = "tail"
+    clients.set_count(2)
+    marks.append(("load step ends (2 clients)", time.monotonic()))
+    marks.append(("Serve removes a replica", wait_for(lambda: decode_replicas().get("RUNNING", 0) == 1, 600,
+                                                      "never scaled down")))
+    wait_for(lambda: len(replica_nodes()) == 1, 300, "the removed replica never ended")
+    marks.append(("the removed replica ended (drained)", time.monotonic()))
+    [node_id] = replica_nodes()
+    clients.phase = "node lost"
+    [node] = [n for n in nodes if n.node_id == node_id]
+    cluster.remove_node(node, allow_graceful=False)
+    lost_at = time.monotonic()
+    marks.append(("its node removed", lost_at))
+    marks.append(("a replacement running", wait_for(
+        lambda: decode_replicas().get("RUNNING", 0) >= 1 and node_id not in replica_nodes(), 600, "no replacement")))
+    marks.append(("first answer after the loss", wait_for(
+        lambda: any(t > lost_at + 1 and o == "ok" for t, o in list(clients.outcomes)), 300,
+        "nothing answered after the node loss")))
+    time.sleep(5)
+    return start
+
+
+def report(clients: Clients, args, marks: list[tuple[str, float]], start: float) -> None:
     print(f"\n{args.clients} clients in the step, then 2; chat requests of {args.max_tokens} tokens, not streamed; "
           "decode 1:2 replicas, target 4 open requests per replica, up after 10 s, down after 120 s:\n")
     print("| event | seconds from the load step |\n|---|---|")
     for what, when in marks:
         print(f"| {what} | {when - start:.1f} |")
     failed = [o for _, o in clients.outcomes if o != "ok"]
-    print(f"\nrequests: {len(clients.outcomes)} ({clients.served_by_phase}), answered whole: "
-          f"{len(clients.outcomes) - len(failed)}, not: {len(failed)}")
+    print(f"\nrequests: {len(clients.outcomes)} (by the phase they were sent in: {clients.served_by_phase}), "
+          f"answered whole: {len(clients.outcomes) - len(failed)}, not: {len(failed)}")
     for outcome in failed[:10]:
         print("  ", outcome)
 

@@ -193,7 +193,10 @@ class EventSubscriber(threading.Thread):
         # transport handshake (an instance holding another secret): a blocking send would hang.
         sent = bool(replay.poll(REPLAY_TIMEOUT_MS, zmq.POLLOUT))
         if sent:
-            replay.send_multipart([b"", request], flags=zmq.NOBLOCK)
+            try:
+                replay.send_multipart([b"", request], flags=zmq.NOBLOCK)
+            except zmq.Again:  # the connection went between the poll and the send
+                sent = False
         expected, received = first, False
         while sent and replay.poll(REPLAY_TIMEOUT_MS):
             frames = replay.recv_multipart()

@@ -434,8 +434,9 @@ def test_a_consumer_whose_session_was_dropped_reconnects(producer, ctx, monkeypa
 def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by_its_deadline(monkeypatch):
     """The consumer keeps its socket to an address; the producer there restarts with
     --kv-encrypt, so zmq's reconnects fail their transport handshake and leave it no connection
-    to queue a pull on. The pull fails by its deadline (a blocking send would hang the puller
-    for ever), and the puller goes on serving other producers."""
+    to queue a pull on (a blocking send would hang the puller for ever). The consumer handshakes
+    afresh, which shows the mismatch: the pull fails as auth, long before its deadline, and the
+    puller goes on serving other producers."""
     monkeypatch.setattr(p2p_consumer, "NUM_PULLERS", 1)  # one puller: the one that would hang
     port = free_port()
     first = P2PConnectorWorker(ENGINE_ID, FINGERPRINT, "127.0.0.1", port, secret=SECRET)
@@ -451,10 +452,12 @@ def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by
         time.sleep(1.5)  # zmq reconnects (every 100 ms) and the handshake fails
         start = time.monotonic()
         consumer.start_load_kv(P2PMetadata(loads=[LoadSpec("b", _tcp(restarted), "b", 0, list(range(3)),
-                                                           time.monotonic() + 3, "tokens")]))
-        out = _load_result(consumer, timeout=10)
+                                                           time.monotonic() + 20, "tokens")]))
+        out = _load_result(consumer, timeout=30)
         assert out.failed_recving == {"b"}, out
-        assert time.monotonic() - start < 6
+        assert out.failure_reasons["b"].startswith("auth: the transport handshake failed"), out.failure_reasons
+        assert time.monotonic() - start < 5, "the load waited for its deadline"
+        assert consumer.counters["failures"] == {"auth": 1}
         _offer(other, "c", list(range(3)))
         assert _load(consumer, "c", _tcp(other), list(range(3))).finished_recving == {"c"}
     finally:

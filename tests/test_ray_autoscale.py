@@ -33,6 +33,7 @@ from tests.server_utils import free_port, pid_alive  # noqa: E402
 MAX_LEN = 8192
 ENGINE_ARGS = ["--num-blocks", "2048", "--max-model-len", str(MAX_LEN), "--served-model-name", "tiny"]
 APP = "scale"
+TAIL_TOKENS = 7900  # ~30 s here: they must outlast Serve's decision to scale down
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,9 @@ def url(cluster, long_llama):
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     options = RayServeOptions(
         str(long_llama), prefill_replicas=(0, 0), decode_replicas=(1, 2), engine_args=ENGINE_ARGS,
-        routing="kv-aware", target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=4,
+        # Down after 10 s: Serve's clock starts as the load step winds down, and both long
+        # streams must be placed (a few seconds here) before it removes a replica.
+        routing="kv-aware", target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=10,
         autoscaling_config={"metrics_interval_s": 0.5, "look_back_period_s": 2},
         ingress_actor_options={"num_cpus": 0, "resources": {"head": 0.01}})  # the ingress stays
     serve.run(build_app(options), name=APP, route_prefix="/")
@@ -186,9 +189,7 @@ def test_scale_up_then_a_draining_scale_down_then_a_node_lost_lose_no_request(ur
     _wait(lambda: _running() == 2, 300, "Serve never started the second decode replica")
     _wait(lambda: len(_engines(url)) == 2, 60, "the ingress never followed the second replica")
     stop.set()
-    step.join()
-    _assert_whole_and_right(reference, [a for batch in step.answers for a in (
-        batch if isinstance(batch, list) else [batch])], 300)
+    step.join()  # (its answers are checked at the end: Serve's clock runs meanwhile)
 
     # 2. Two long streams, one on each replica (the router sends the second to the replica
     # without one), below the target: Serve removes one replica while both stream.
@@ -196,14 +197,14 @@ def test_scale_up_then_a_draining_scale_down_then_a_node_lost_lose_no_request(ur
     pids = {e: _engine_status(e)["engine_pid"] for e in engines}
     tail = _Requests()
     for n in (1, 2):
-        tail.start(_stream, url, 100_000 + n, 7000)
+        tail.start(_stream, url, 100_000 + n, TAIL_TOKENS)
         _wait(lambda: sum(_engine_status(e)["requests"]["running"] for e in engines) == n, 60,
               f"stream {n} never ran")
     assert all(_engine_status(e)["requests"]["running"] == 1 for e in engines)
     _wait(lambda: _running() == 1, 120, "Serve never scaled the decode deployment down")
     assert all(t.is_alive() for t in tail.threads), "a stream ended before the scale-down: nothing drained"
     tail.join()
-    _assert_whole_and_right(reference, tail.answers, 7000)  # the removed replica's stream too
+    _assert_whole_and_right(reference, tail.answers, TAIL_TOKENS)  # the removed replica's stream too
     _wait(lambda: sum(pid_alive(p) for p in pids.values()) == 1, 60, "the removed replica's engine outlived it")
 
     # 3. The last replica's node lost under four requests (not streamed): each is sent once
@@ -222,3 +223,5 @@ def test_scale_up_then_a_draining_scale_down_then_a_node_lost_lose_no_request(ur
     _assert_whole_and_right(reference, lost.answers, 1500)
     _wait(lambda: not pid_alive(pids[engine]), 60, "the lost node's engine outlived its replica")
     assert node_id not in _replica_nodes() and _running() >= 1
+    _assert_whole_and_right(reference, [a for batch in step.answers for a in (
+        batch if isinstance(batch, list) else [batch])], 300)

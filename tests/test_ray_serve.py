@@ -263,3 +263,58 @@ def test_replica_counts_and_the_config_files_arguments_are_checked():
     decode = app._bound_deployment.init_args[1]._bound_deployment  # the ingress's second argument
     assert decode.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert app._bound_deployment.init_args[0] is None  # no prefill deployment
+    assert decode.init_args[1] == "both"  # so whole engines, not KV consumers
+    with pytest.raises(ValueError, match="whole number"):
+        app_builder({"model": "m", "replica_gpus": 0.5})
+    with pytest.raises(ValueError, match="prefill_replicas is 0"):
+        app_builder({"model": "m", "prefill_replicas": 0, "max_local_prefill_tokens": 0})
+
+
+def test_a_removed_prefill_replica_keeps_its_held_offers_until_they_are_pulled():
+    """Serve's graceful shutdown of a prefill replica (EngineReplica.__del__, after its open
+    requests finished): its engine gets SIGTERM only once it holds no KV for a decode replica,
+    or its lease ended. The engine here is a stand-in: a /status that reports held offers, and
+    a process to stop."""
+    import subprocess
+    import sys
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from entrypoints.ray_serve.replica import EngineReplica
+    held = {"n": 2}
+
+    class Status(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = json.dumps({"requests": {"held_for_transfer": held["n"]}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def replica(role: str, lease_s: float) -> EngineReplica:
+        r = EngineReplica.__new__(EngineReplica)  # what __init__ sets, without Ray and an engine
+        r.role, r.lease_s, r.url = role, lease_s, f"http://127.0.0.1:{server.server_port}"
+        r.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        return r
+    try:
+        pulled_later = threading.Timer(2.0, lambda: held.update(n=0))  # the decode replicas pull
+        pulled_later.start()
+        prefill, start = replica("prefill", 30.0), time.monotonic()
+        prefill.__del__()
+        assert 2.0 <= time.monotonic() - start < 10 and prefill.proc.poll() is not None
+        held["n"] = 1  # never pulled: the lease (1 s here) ends it
+        prefill, start = replica("prefill", 1.0), time.monotonic()
+        prefill.__del__()
+        assert 1.0 <= time.monotonic() - start < 10 and prefill.proc.poll() is not None
+        decode, start = replica("decode", 30.0), time.monotonic()  # holds nothing for anyone
+        decode.__del__()
+        assert time.monotonic() - start < 2 and decode.proc.poll() is not None
+    finally:
+        server.shutdown()

@@ -58,6 +58,10 @@ MAX_PEERS_COUNTED = 64  # producers whose pulls /status reports (only signed off
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
+UNSENDABLE = "unreachable: our connection to the KV peer takes nothing"
+SEND_PATIENCE_S = 1.0
+
+
 @dataclass(slots=True)
 class Peer:
     """An authenticated producer: our socket to it, its shared KV tensor when it lends blocks on
@@ -66,15 +70,18 @@ class Peer:
     kv: torch.Tensor | None
     session: SessionTag
 
-    def send(self, msg: WireMessage, deadline: float) -> bool:
-        """Queue ``msg``; False when the socket takes nothing before ``deadline``. That happens
+    def send(self, msg: WireMessage, patience_s: float = SEND_PATIENCE_S) -> bool:
+        """Queue ``msg``; False when the socket takes nothing within ``patience_s``. That happens
         when zmq has no connection to queue on, e.g. after a reconnect whose transport handshake
         failed (a producer restarted on the address with other --kv-encrypt settings): a
-        blocking send would wait for ever."""
-        if not self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+        blocking send would wait for ever. A live connection takes a message at once."""
+        if not self.sock.poll(int(patience_s * 1000), zmq.POLLOUT):
             return False
         body = encode(msg)
-        self.sock.send_multipart([body, self.session.next(body)], flags=zmq.NOBLOCK)
+        try:
+            self.sock.send_multipart([body, self.session.next(body)], flags=zmq.NOBLOCK)
+        except zmq.Again:  # the connection went between the poll and the send
+            return False
         return True
 
 
@@ -169,7 +176,7 @@ class P2PConsumer:
                     peers[addr] = peer
                 kind = Release if isinstance(job, ReleaseSpec) else Renew
                 # Never waits: a peer that takes nothing (gone without a FIN) is dropped.
-                if not peers[addr].send(kind(job.remote_request_id, job.token_digest), deadline=0.0):
+                if not peers[addr].send(kind(job.remote_request_id, job.token_digest), patience_s=0.0):
                     peers.pop(addr).sock.close(linger=0)
                     unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
         finally:
@@ -273,9 +280,11 @@ class P2PConsumer:
         addr = job.remote_addr
         reused = addr in peers
         error = self._load_from(job, peers)
-        if reused and error is not None and error.startswith(REFUSED):
+        if reused and error is not None and (error.startswith(REFUSED) or error == UNSENDABLE):
             # Our session with this address ended on its side: the producer restarted there (zmq
-            # reconnected our socket to the new process) or forgot us. Handshake afresh, once.
+            # reconnected our socket to the new process, or failed to: a transport handshake it
+            # refused leaves no connection) or forgot us. Handshake afresh, once: a refusal of
+            # the transport handshake shows there at once, as auth.
             peers.pop(addr).sock.close(linger=0)
             error = self._load_from(job, peers)
         return error
@@ -291,8 +300,8 @@ class P2PConsumer:
         transfer_id = uuid.uuid4().hex
         start = time.perf_counter()
         if not peer.send(Pull(transfer_id, job.remote_request_id, job.start_block, len(job.block_ids),
-                              job.token_digest, shm=peer.kv is not None), job.deadline):
-            return f"timeout: the connection to {addr} takes nothing (is its transport handshake failing?)"
+                              job.token_digest, shm=peer.kv is not None)):
+            return UNSENDABLE
         got = self._recv(peer.sock, job.deadline, lambda m: getattr(m, "transfer_id", None) == transfer_id,
                          job.req_id)
         if isinstance(got, str):
@@ -331,8 +340,8 @@ class P2PConsumer:
         if len(grant.block_ids) != len(job.block_ids) or max(grant.block_ids, default=0) >= peer.kv.shape[2]:
             return "frame rejected: bad shared-memory grant"
         self._copy_blocks(peer.kv, grant.block_ids, job.block_ids)
-        if not peer.send(ShmDone(transfer_id, job.remote_request_id), job.deadline):
-            return "timeout: the producer's connection takes nothing"
+        if not peer.send(ShmDone(transfer_id, job.remote_request_id)):
+            return "unreachable: our connection to the KV peer went during the copy"
         got = self._recv(peer.sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
                          job.req_id)
         if isinstance(got, str):

@@ -67,13 +67,20 @@ def build_app(options: RayServeOptions, secret: str | None = None):
     KVSecret(secret)  # a secret too short is refused here, not in every replica
     sealed = SealedSecret(secret)
 
+    if options.replica_gpus != int(options.replica_gpus) or options.replica_gpus < 0:
+        raise ValueError(f"replica_gpus must be a whole number (an engine takes its GPUs whole), "
+                         f"got {options.replica_gpus}")
+    colocated = options.prefill_replicas == (0, 0)
+    if colocated and options.max_local_prefill_tokens == 0:
+        raise ValueError("max_local_prefill_tokens 0 sends every prompt through a prefill replica, "
+                         "but prefill_replicas is 0")
     if options.routing not in ("least-loaded", "kv-aware"):
         raise ValueError(f"routing must be least-loaded or kv-aware, got {options.routing!r}")
     router = {} if options.routing != "kv-aware" else {"request_router_config": RequestRouterConfig(
         request_router_class="entrypoints.ray_serve.router.KVAwareRequestRouter",
         request_routing_stats_period_s=2)}
 
-    def deployment(role: str, replicas: tuple[int, int], max_ongoing: int, **more):
+    def deployment(role: str, replicas: tuple[int, int], max_ongoing: int, engine_role: str | None = None, **more):
         lo, hi = replicas
         scaling = ({"num_replicas": lo} if lo == hi else {"autoscaling_config": {
             "min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": options.target_ongoing_requests,
@@ -87,13 +94,14 @@ def build_app(options: RayServeOptions, secret: str | None = None):
             # offers, EngineReplica.__del__) before it kills the replica.
             graceful_shutdown_wait_loop_s=1, graceful_shutdown_timeout_s=options.lease_s + 120, **scaling, **router,
             **more,
-        ).bind(options.model, role, list(options.engine_args), sealed, options.lease_s)
+        ).bind(options.model, engine_role or role, list(options.engine_args), sealed, options.lease_s)
 
-    # No prefill replicas: every request on a decode replica, which prefills it itself (replicas
-    # of a colocated engine, routed by Serve).
-    prefill = None if options.prefill_replicas == (0, 0) else deployment(
+    # No prefill replicas: every request whole on a decode replica, a colocated engine (role
+    # both: no KV consumer), routed by Serve.
+    prefill = None if colocated else deployment(
         "prefill", options.prefill_replicas, options.prefill_max_ongoing, max_queued_requests=options.prefill_max_queued)
-    decode = deployment("decode", options.decode_replicas, options.decode_max_ongoing)
+    decode = deployment("decode", options.decode_replicas, options.decode_max_ongoing,
+                        engine_role="both" if colocated else "decode")
     ingress = serve.deployment(PDIngress, name="ingress", num_replicas=options.ingress_replicas,
                                ray_actor_options=options.ingress_actor_options, max_ongoing_requests=1000)
     return ingress.bind(prefill, decode, DisaggPolicy(options.max_local_prefill_tokens), options.routing, sealed)

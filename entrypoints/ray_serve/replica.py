@@ -75,11 +75,12 @@ class EngineReplica:
                  lease_s: float = 30.0) -> None:
         import ray
 
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        if role not in ("prefill", "decode", "both"):  # both: no prefill deployment
+            raise ValueError(f"role must be prefill, decode or both, got {role!r}")
         self.role, self.lease_s = role, lease_s
         host = ray.util.get_node_ip_address()
-        cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        assigned = ray.get_runtime_context().get_assigned_resources()
+        cpus = max(1, int(assigned.get("CPU", 1)))
         port = _free_port(host)
         self.url = f"http://{host}:{port}"
         cmd = [sys.executable, "-m", "entrypoints.cli", "serve", model, "--host", host, "--port", str(port),
@@ -89,10 +90,14 @@ class EngineReplica:
         cmd += ["--kv-events"]  # for KV-aware routing (on the node's address, under the secret)
         self.log_path = tempfile.NamedTemporaryFile(prefix=f"engine-{role}-{port}-", suffix=".log",
                                                     delete=False).name
+        env = {**os.environ, ENV_VAR: secret.reveal(), "PYTHONUNBUFFERED": "1"}
+        if not assigned.get("GPU"):
+            # Ray sets CUDA_VISIBLE_DEVICES only for actors given GPUs: without one, the engine
+            # would take a GPU of the node that Ray may have given another replica.
+            env["CUDA_VISIBLE_DEVICES"] = ""
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-                                         env={**os.environ, ENV_VAR: secret.reveal(), "PYTHONUNBUFFERED": "1"})
+                                         preexec_fn=functools.partial(_die_with_parent, os.getpid()), env=env)
         # Idle connections dropped before the engine's uvicorn closes them (5 s): reusing one it
         # is closing fails the request with nothing done (as engine proxy does).
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=httpx.Limits(
