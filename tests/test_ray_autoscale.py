@@ -23,11 +23,11 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs Ray: pip install 'engine[ray]'")
 
 from ray import serve  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from entrypoints.ray_serve.app import RayServeOptions, build_app  # noqa: E402
 from tests.conftest import make_tiny_model  # noqa: E402
+from tests.ray_cluster import cluster  # noqa: E402,F401 - the module's cluster
 from tests.server_utils import free_port, pid_alive  # noqa: E402
 
 MAX_LEN = 8192
@@ -41,17 +41,6 @@ def long_llama(tmp_path_factory, smollm2_dir):
     """A tiny random Llama with a long context: streams long enough to outlast Serve's delays."""
     return make_tiny_model(tmp_path_factory.mktemp("ray-long-llama"), "llama", tie_word_embeddings=True,
                            max_position_embeddings=MAX_LEN)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"head": 1}})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]  # a replica per node; one node spare
-    ray.init(address=cluster.address, logging_level="warning")
-    yield cluster, nodes
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -25,25 +25,14 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs Ray: pip install 'engine[ray]'")
 
 from ray import serve  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from entrypoints.ray_serve.app import RayServeOptions, build_app  # noqa: E402
+from tests.ray_cluster import cluster  # noqa: E402,F401 - the module's cluster
 from tests.server_utils import free_port  # noqa: E402
 
 ENGINE_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny"]
 SECRET = "ray-serve-test-secret-" + os.urandom(16).hex()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"head": 1}})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]  # a replica per node, and one spare
-    ray.init(address=cluster.address, logging_level="warning")
-    yield cluster, nodes
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
