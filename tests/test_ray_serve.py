@@ -155,6 +155,76 @@ def test_kv_aware_routing_keeps_a_conversation_where_its_kv_is(url, tiny_llama, 
         serve.delete("kv")
 
 
+def _chat_hit_rate(base: str, conversations: int = 6, turns: int = 4) -> float:
+    """The routing benchmark's chat workload, small and sequential: every turn resends the
+    history plus a new message; the conversations come back in a different (seeded) order each
+    round. Cached prompt tokens / prompt tokens, from each answer's usage."""
+    import random
+    words = "river stone garden light window paper music winter orange market letter forest".split()
+    rngs = [random.Random(1000 + c) for c in range(conversations)]
+    histories: list[list[dict]] = [[] for _ in range(conversations)]
+    cached = prompt = 0
+    for turn in range(turns):
+        order = list(range(conversations))
+        random.Random(turn).shuffle(order)
+        for c in order:
+            text = f"Turn {turn}. " + " ".join(rngs[c].choice(words) for _ in range(40))
+            histories[c].append({"role": "user", "content": text})
+            resp = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+                "messages": histories[c], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert resp.status_code == 200, resp.text
+            answer = resp.json()
+            histories[c].append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+            cached += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            prompt += answer["usage"]["prompt_tokens"]
+    return cached / prompt
+
+
+def test_kv_aware_routing_on_ray_hits_the_cache_as_engine_proxy_does(url, tiny_llama):
+    """Two replicas whose pools hold half the conversations each: on Ray (decode replicas, no
+    prefill deployment, the engine's request router) and behind engine proxy --routing
+    kv-aware (plain instances), the same chat workload hits the prefix cache within 10% (the
+    issue's target), and well above what routing blind to the cache gets."""
+    import time
+
+    from tests.disagg_utils import ProxyProcess
+    from tests.server_utils import ServerProcess
+    pool = ["--num-blocks", "64", "--max-model-len", "1024"]  # 3 of the 6 conversations each
+    options = RayServeOptions(str(tiny_llama), prefill_replicas=(0, 0), decode_replicas=(2, 2), engine_args=pool,
+                              replica_cpus=0.25, routing="kv-aware",
+                              ingress_actor_options={"num_cpus": 0, "resources": {"head": 0.01}})
+    serve.run(build_app(options, secret=SECRET), name="chat", route_prefix="/chat")
+    base = f"{url}/chat"
+    try:
+        httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 1}, timeout=60)
+        deadline = time.monotonic() + 60
+        while len(httpx.get(f"{base}/status", timeout=10).json()["kv_routing"]) < 2:  # both followed
+            assert time.monotonic() < deadline, httpx.get(f"{base}/status", timeout=10).text
+            time.sleep(0.5)
+        on_ray = _chat_hit_rate(base)
+    finally:
+        serve.delete("chat")
+    servers = [ServerProcess(str(tiny_llama), *pool, "--kv-events", wait=False) for _ in range(2)]
+    proxy = None
+    try:
+        for server in servers:
+            server.wait_ready()
+        proxy = ProxyProcess([], [], *[a for s in servers for a in ("--instance", s.url)], "--routing", "kv-aware")
+        deadline = time.monotonic() + 30
+        while not all(i["last_seq"] >= 0 for i in httpx.get(f"{proxy.url}/status", timeout=5).json()["kv_routing"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        behind_proxy = _chat_hit_rate(proxy.url)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for server in servers:
+            server.stop()
+    # Measured here: 0.51 on Ray, 0.43 behind engine proxy; 0.29 on Ray routing blind to the cache.
+    assert behind_proxy > 0.35, behind_proxy
+    assert on_ray >= 0.9 * behind_proxy, (on_ray, behind_proxy)
+
+
 def _replica_node(deployment: str) -> str:
     from ray.util.state import list_actors
     actors = list_actors(filters=[("class_name", "=", f"ServeReplica:engine:{deployment}"), ("state", "=", "ALIVE")])
