@@ -80,7 +80,8 @@ def build_app(options: RayServeOptions, secret: str | None = None):
         request_router_class="entrypoints.ray_serve.router.KVAwareRequestRouter",
         request_routing_stats_period_s=2)}
 
-    def deployment(role: str, replicas: tuple[int, int], max_ongoing: int, engine_role: str | None = None, **more):
+    def deployment(role: str, replicas: tuple[int, int], max_ongoing: int, engine_role: str | None = None,
+                   **more):
         lo, hi = replicas
         scaling = ({"num_replicas": lo} if lo == hi else {"autoscaling_config": {
             "min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": options.target_ongoing_requests,
@@ -118,7 +119,8 @@ def app_builder(args: dict):
             kwargs[key] = parse_replicas(args.pop(key), none_allowed=key == "prefill_replicas")
     if "engine_args" in args:
         kwargs["engine_args"] = [str(a) for a in args.pop("engine_args")]
-    for key in ("replica_cpus", "replica_gpus", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "lease_s"):
+    for key in ("replica_cpus", "replica_gpus", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s",
+                "lease_s"):
         if key in args:
             kwargs[key] = float(args.pop(key))
     if "routing" in args:

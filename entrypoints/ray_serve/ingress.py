@@ -75,7 +75,8 @@ async def _relay(stream):
 class PDIngress:
     def __init__(self, prefill, decode, disagg: DisaggPolicy = DisaggPolicy(), routing: str = "least-loaded",
                  secret=None) -> None:
-        """``prefill`` None: no prefill deployment (every request on a decode replica). ``routing`` kv-aware: the deployments route by the replicas' KV events
+        """``prefill`` None: no prefill deployment (every request on a decode replica).
+        ``routing`` kv-aware: the deployments route by the replicas' KV events
         (entrypoints/ray_serve/router.py), which this process follows with ``secret``."""
         self.prefill, self.decode, self.disagg = prefill, decode, disagg
         self.kv: KVRouter | None = None
@@ -249,8 +250,6 @@ class PDIngress:
     def release(self, params, headers: dict) -> None:
         """Tells the prefill holding a hand-off's KV that nobody will pull it (through any
         prefill replica, which passes it on; not awaited)."""
-        if self.prefill is None:
-            return
         for one in params if isinstance(params, list) else [params]:
             if isinstance(one, dict) and one.get("do_remote_prefill"):
                 self.prefill.release.remote(one, headers)
