@@ -7,7 +7,8 @@ ingress registers its KVRouter (which follows the replicas' KV events with the d
 secret) in its own process under the deployment's name, and passes each request's prompt
 blocks as the ``prompt_blocks`` keyword. Each replica names its engine's URL and event
 endpoints in its routing stats (EngineReplica.record_routing_stats). Load is this router's own
-count of calls open on each replica, from its choice to its completion. Where no KVRouter is
+count of generation calls on each replica, from the choice to the completion
+(entrypoints/ray_serve/call_ledger.py). Where no KVRouter is
 registered (another caller of the deployment), or a request carries no prompt blocks, the least
 loaded replica is chosen.
 """
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import time
 from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from entrypoints.kv_router import KVRouter
+from entrypoints.ray_serve.call_ledger import GENERATION, OTHER, CallLedger
 
-CHOSEN_EXPIRY_S = 2.0  # a choice not sent by then went elsewhere
 _REGISTERED: dict[str, KVRouter] = {}  # deployment name -> the KVRouter of this process
 
 
@@ -39,20 +39,13 @@ class _Candidate:  # what KVRouter.choose reads
 
 class KVAwareRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
-        # Calls sent to each replica and not completed. Counted at the send, which Serve reports
-        # before it registers the completion callback: a short call's completion can arrive
-        # before Serve reports it routed (on_request_routed), which left it counted for ever.
-        self._open: dict[ReplicaID, int] = {}
-        # Choices not sent yet (monotonic times), counted as open too: Serve sends a call some
-        # awaits after choose_replicas, and the calls chosen meanwhile must see it. The send
-        # takes the oldest; one Serve sent elsewhere (the replica was full) expires.
-        self._chosen: dict[ReplicaID, list[float]] = {}
+        self._calls = CallLedger()
         self._followed: dict[str, dict | None] = {}  # url -> the events it was followed with
         self._counted: set[str] = set()  # requests counted in the KVRouter's hit statistics, until routed
         # Ties in load go round robin, a turn counter per kind of call (engine proxy's
         # ``ordered``): a request's /tokenize call (no ``prompt_blocks``) comes before each of
         # its generation calls, and one shared counter would give those every other turn only.
-        self._turns = {kind: itertools.count() for kind in ("generation", "other")}
+        self._turns = {kind: itertools.count() for kind in (GENERATION, OTHER)}
 
     @property
     def _kv(self) -> KVRouter | None:
@@ -83,19 +76,17 @@ class KVAwareRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._follow(replicas)
-        live = {r.replica_id for r in replicas}
-        for gone in [r for r in self._open if r not in live]:  # removed by Serve (scaled down, dead)
-            del self._open[gone]
-        for gone in [r for r in self._chosen if r not in live]:
-            del self._chosen[gone]
+        self._calls.keep_only({r.replica_id for r in replicas})
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._follow(candidate_replicas)  # routing stats arrive after the replica set
         kwargs = pending_request.kwargs if pending_request is not None else {}
         candidates = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-        start = next(self._turns["generation" if "prompt_blocks" in kwargs else "other"]) % max(len(candidates), 1)
-        by_load = sorted((_Candidate((r.routing_stats or {}).get("url", ""), self._load(r.replica_id), r)
+        kind = _kind(kwargs)
+        start = next(self._turns[kind]) % max(len(candidates), 1)
+        load = self._calls.loads()
+        by_load = sorted((_Candidate((r.routing_stats or {}).get("url", ""), load[r.replica_id], r)
                           for r in candidates[start:] + candidates[:start]), key=lambda c: c.in_flight)
         kv = self._kv
         prompt = kwargs.get("prompt_blocks")
@@ -109,30 +100,25 @@ class KVAwareRequestRouter(RequestRouter):
             if request_id not in self._counted:  # asked again after a backoff: counted once
                 self._counted.add(request_id)
                 kv.count(best.url, prompt, hit)
-        self._chosen.setdefault(best.replica.replica_id, []).append(time.monotonic())
+        if kind == GENERATION and pending_request is not None:
+            self._calls.chosen(pending_request.metadata.internal_request_id, best.replica.replica_id)
         return [[best.replica], [c.replica for c in by_load if c is not best]]
 
-    def _load(self, replica_id: ReplicaID) -> int:
-        chosen = self._chosen.get(replica_id)
-        if chosen:
-            fresh = time.monotonic() - CHOSEN_EXPIRY_S
-            while chosen and chosen[0] < fresh:
-                chosen.pop(0)
-        return self._open.get(replica_id, 0) + len(chosen or ())
-
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)
-        self._open[replica_id] = self._open.get(replica_id, 0) + 1
-        chosen = self._chosen.get(replica_id)
-        if chosen:
-            chosen.pop(0)
-
+    # Serve's strict max_ongoing_requests (on outside Ray Client) reports every accepted call
+    # routed; the ingress is a Serve deployment, never a Ray Client.
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self._counted.discard(pending_request.metadata.internal_request_id)
+        request_id = pending_request.metadata.internal_request_id
+        self._calls.routed(request_id, replica_id, _kind(pending_request.kwargs))
+        self._counted.discard(request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         # Every call sent through a handle's .remote() completes once (a replica's rejection,
-        # a cancelled stream and a dead replica too). Serve also reports a call that failed
-        # before it was sent: never below zero.
-        self._open[replica_id] = max(0, self._open.get(replica_id, 0) - 1)
+        # a cancelled stream and a dead replica too); Serve also reports a call that failed
+        # before it was sent.
+        self._calls.completed(internal_request_id, replica_id)
         self._counted.discard(internal_request_id)
+
+
+def _kind(kwargs: dict) -> str:
+    """Generation calls carry the prompt's blocks (None where unknown); /tokenize calls none."""
+    return GENERATION if "prompt_blocks" in kwargs else OTHER
