@@ -10,7 +10,7 @@ then its generation call, to the same deployment. So a call is known by (id, rep
 completion closes the call it can only be: a /tokenize call open there before the generation
 call (the ingress awaits it first).
 
-Counting by id keeps the load exact whatever the order: a choice Serve sent to another replica
+Counting by id keeps the load right in the orders seen here: a choice Serve sent to another replica
 (its first choice did not answer the queue probe in time) moves there when the call is routed;
 a rejected call's completion does not close the request's later call elsewhere. Only
 generation calls count: a /tokenize call holds no engine capacity, and its completion racing
