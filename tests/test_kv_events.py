@@ -155,7 +155,10 @@ class _Subscriber:
     def replayed(self, start: int, timeout_ms: int = 5000) -> list[tuple[int, _KVEventBatch]] | None:
         if not self.replay.poll(timeout_ms, zmq.POLLOUT):
             return None  # no connection to send on (a failed CURVE handshake leaves none)
-        self.replay.send_multipart([b"", start.to_bytes(8, "big")], flags=zmq.NOBLOCK)
+        try:
+            self.replay.send_multipart([b"", start.to_bytes(8, "big")], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None  # the connection dropped between the poll and the send (its handshake failed)
         out = []
         while self.replay.poll(timeout_ms):
             _, seq, payload = self.replay.recv_multipart()
