@@ -12,7 +12,8 @@ Authentication (``p2p_wire``): a peer is sent nothing about us or our requests u
 proved it holds the deployment secret, and a peer that cannot, or that refuses our proof, fails
 the load as ``auth``. With ``encrypt`` every socket is a CURVE client (keys derived from the
 secret); a failed transport handshake (one side encrypts, the other not, or other secrets) is
-seen on a socket monitor and fails the load at once, as ``auth`` too.
+seen on a socket monitor and fails the load at once, as ``auth`` too, also where zmq reconnects
+a socket we keep (a producer restarted on its address with other settings).
 
 Same host: the consumer maps the producer's shared-memory KV file and, when lent the blocks
 (``ShmGrant``), copies them straight into its own (one memcpy, no socket bytes), then returns the
@@ -59,23 +60,27 @@ HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FA
 
 
 UNSENDABLE = "unreachable: our connection to the KV peer takes nothing"
+TRANSPORT_FAILED = "auth: the transport handshake failed"
 SEND_PATIENCE_S = 1.0
 
 
 @dataclass(slots=True)
 class Peer:
     """An authenticated producer: our socket to it, its shared KV tensor when it lends blocks on
-    this host, and the session that tags everything we send it."""
+    this host, and the session that tags everything we send it. ``monitor`` reports the
+    socket's failed transport handshakes, for its whole life: zmq reconnects by itself, and a
+    reconnect to a producer restarted on the address with other --kv-encrypt settings fails
+    there and nowhere else (what we queued meanwhile is lost)."""
     sock: zmq.Socket
+    monitor: zmq.Socket
     kv: torch.Tensor | None
     session: SessionTag
 
     def send(self, msg: WireMessage, patience_s: float = SEND_PATIENCE_S) -> bool:
-        """Queue ``msg``; False when the socket takes nothing within ``patience_s``. That happens
-        when zmq has no connection to queue on, e.g. after a reconnect whose transport handshake
-        failed (a producer restarted on the address with other --kv-encrypt settings): a
-        blocking send would wait for ever. A live connection takes a message at once."""
-        if not self.sock.poll(int(patience_s * 1000), zmq.POLLOUT):
+        """Queue ``msg``; False when a reconnect failed its transport handshake, or the socket
+        takes nothing within ``patience_s``: zmq has no connection to queue on (a blocking
+        send would wait for ever). A live connection takes a message at once."""
+        if self.monitor.poll(0) or not self.sock.poll(int(patience_s * 1000), zmq.POLLOUT):
             return False
         body = encode(msg)
         try:
@@ -83,6 +88,11 @@ class Peer:
         except zmq.Again:  # the connection went between the poll and the send
             return False
         return True
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
 
 
 REFUSED = "auth: the KV peer refused us"
@@ -154,10 +164,10 @@ class P2PConsumer:
                     logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
                     peer = peers.pop(job.remote_addr, None)
                     if peer is not None:  # drop anything queued or in flight on it
-                        peer.sock.close(linger=0)
+                        peer.close()
         finally:
             for peer in peers.values():
-                peer.sock.close(linger=0)
+                peer.close()
 
     def _control_loop(self) -> None:
         peers: dict[str, Peer] = {}
@@ -177,11 +187,11 @@ class P2PConsumer:
                 kind = Release if isinstance(job, ReleaseSpec) else Renew
                 # Never waits: a peer that takes nothing (gone without a FIN) is dropped.
                 if not peers[addr].send(kind(job.remote_request_id, job.token_digest), patience_s=0.0):
-                    peers.pop(addr).sock.close(linger=0)
+                    peers.pop(addr).close()
                     unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
         finally:
             for peer in peers.values():
-                peer.sock.close(linger=0)
+                peer.close()
 
     def _connect(self, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
         """An authenticated peer, or an error."""
@@ -199,7 +209,8 @@ class P2PConsumer:
         if self._encrypt:
             sock.curve_serverkey = curve_keys(self._secret, "server")[0]
             sock.curve_publickey, sock.curve_secretkey = curve_keys(self._secret, "client")
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # watched until the handshake is done
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        peer = None
         try:
             sock.connect(addr)
             peer, error = self._handshake(sock, monitor, addr, deadline)
@@ -208,10 +219,10 @@ class P2PConsumer:
                 # challenge was pushed out (a flood of strangers' handshakes). Once more.
                 peer, error = self._handshake(sock, monitor, addr, deadline)
         finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-        if peer is None:
-            sock.close(linger=0)
+            if peer is None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+                sock.close(linger=0)
         return peer, error
 
     def _handshake(self, sock, monitor, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
@@ -229,7 +240,8 @@ class P2PConsumer:
             return None, f"{reply} (handshake with {addr})"
         if not reply.ok:
             return None, f"incompatible: {reply.message}"
-        return Peer(sock, self._map_peer_kv(addr, reply), SessionTag(self._secret, nonce_c, challenge.nonce)), None
+        return Peer(sock, monitor, self._map_peer_kv(addr, reply),
+                    SessionTag(self._secret, nonce_c, challenge.nonce)), None
 
     def _map_peer_kv(self, addr: str, reply: HelloReply) -> torch.Tensor | None:
         if not (addr.startswith("ipc://") and reply.shm_path and os.path.exists(reply.shm_path)):
@@ -259,7 +271,7 @@ class P2PConsumer:
                 return "shutdown"
             if monitor is not None and monitor.poll(0):
                 event = zmq.Event(recv_monitor_message(monitor)["event"]).name
-                return (f"auth: the transport handshake failed ({event}): the peers must agree on --kv-encrypt "
+                return (f"{TRANSPORT_FAILED} ({event}): the peers must agree on --kv-encrypt "
                         "and hold the same KV secret")
             if not sock.poll(min(50, int(remaining * 1000) + 1)):
                 continue
@@ -280,12 +292,12 @@ class P2PConsumer:
         addr = job.remote_addr
         reused = addr in peers
         error = self._load_from(job, peers)
-        if reused and error is not None and (error.startswith(REFUSED) or error == UNSENDABLE):
+        if reused and error is not None and (error.startswith((REFUSED, TRANSPORT_FAILED)) or error == UNSENDABLE):
             # Our session with this address ended on its side: the producer restarted there (zmq
-            # reconnected our socket to the new process, or failed to: a transport handshake it
-            # refused leaves no connection) or forgot us. Handshake afresh, once: a refusal of
-            # the transport handshake shows there at once, as auth.
-            peers.pop(addr).sock.close(linger=0)
+            # reconnected our socket to the new process, or failed to: its transport handshake
+            # failed) or forgot us. Handshake afresh, once: a refusal of the transport handshake
+            # shows there at once, as auth.
+            peers.pop(addr).close()
             error = self._load_from(job, peers)
         return error
 
@@ -303,14 +315,14 @@ class P2PConsumer:
                               job.token_digest, shm=peer.kv is not None)):
             return UNSENDABLE
         got = self._recv(peer.sock, job.deadline, lambda m: getattr(m, "transfer_id", None) == transfer_id,
-                         job.req_id)
+                         job.req_id, peer.monitor)
         if isinstance(got, str):
             return got
         first, frames = got
         if isinstance(first, ShmGrant):
             error = self._copy_shm(peer, job, transfer_id, first)
         elif isinstance(first, Chunk):  # the producer chose the socket path
-            error = self._receive_chunks(peer.sock, job, transfer_id, first, frames)
+            error = self._receive_chunks(peer, job, transfer_id, first, frames)
         else:
             error = f"frame rejected: unexpected {type(first).__name__}"
         if error is None:
@@ -343,7 +355,7 @@ class P2PConsumer:
         if not peer.send(ShmDone(transfer_id, job.remote_request_id)):
             return "unreachable: our connection to the KV peer went during the copy"
         got = self._recv(peer.sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
-                         job.req_id)
+                         job.req_id, peer.monitor)
         if isinstance(got, str):
             return got
         return None if got[0].ok else "timeout: the producer's lease ended during the copy"
@@ -353,7 +365,7 @@ class P2PConsumer:
         for src, dst, n in contiguous_runs(src_blocks, dst_blocks):
             self.kv[:, :, dst:dst + n].copy_(peer_kv[:, :, src:src + n])
 
-    def _receive_chunks(self, sock, job: LoadSpec, transfer_id: str, chunk: Chunk, frames) -> str | None:
+    def _receive_chunks(self, peer: Peer, job: LoadSpec, transfer_id: str, chunk: Chunk, frames) -> str | None:
         dst = torch.tensor(job.block_ids, dtype=torch.int64, device=self.kv.device)
         expected_seq, done_blocks = 0, 0
         dtype = str(self.kv.dtype).removeprefix("torch.")
@@ -382,8 +394,8 @@ class P2PConsumer:
             if expected_seq == chunk.num_chunks:
                 return None if done_blocks == len(job.block_ids) else (
                     f"frame rejected: got {done_blocks} of {len(job.block_ids)} blocks")
-            got = self._recv(sock, job.deadline, lambda m: isinstance(m, Chunk) and m.transfer_id == transfer_id,
-                             job.req_id)
+            got = self._recv(peer.sock, job.deadline, lambda m: isinstance(m, Chunk) and m.transfer_id == transfer_id,
+                             job.req_id, peer.monitor)
             if isinstance(got, str):
                 return got
             chunk, frames = got
