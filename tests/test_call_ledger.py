@@ -1,12 +1,14 @@
 """The KV-aware Serve router's load count (entrypoints/ray_serve/call_ledger.py) under generated
-sequences of Serve's hooks, in the orders Serve can report them: each request's /tokenize call
-(routed before the ingress goes on, its completion late at will), then its generation call,
-chosen (again after a rejection or a lost choice), sent to the choice or, when the choice
-missed its queue probe, to another replica, accepted (its completion reported before or after
-the routing) or rejected. Checked after every step: each replica's load is the generation calls
-open there plus the requests' fresh choices not yet routed, whatever the order, once no
-/tokenize completion is outstanding; and when every call has completed, nothing is left.
-Needs no Ray. CI runs a pinned number of examples; ENGINE_FUZZ_EXAMPLES=N runs more."""
+sequences of what Serve reports, in the orders it can report them: each request's /tokenize
+call (its completion late at will), then its generation calls: chosen (again while no probe
+answers, and after a rejection), sent to the choice, to another replica (the choice missed its
+queue probe) or to a replica chosen for another request, and completed in any order, a
+rejected call's completion after its retry's send too. Checked after every step: each
+replica's load is the generation calls sent there and not completed plus the requests' fresh
+choices not sent yet (a request choosing again does not see its own), once no /tokenize
+completion is outstanding where a generation call of its request completed; and when every
+call has completed, nothing is left. Needs no Ray. CI runs a pinned number of examples;
+ENGINE_FUZZ_EXAMPLES=N runs more."""
 from __future__ import annotations
 
 import os
@@ -17,24 +19,23 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from entrypoints.ray_serve.call_ledger import CHOICE_EXPIRY_S, EARLY_EXPIRY_S, GENERATION, OTHER, CallLedger
+from entrypoints.ray_serve.call_ledger import CHOICE_EXPIRY_S, GENERATION, OTHER, CallLedger
 
 REPLICAS = ("a", "b")
 EXAMPLES = int(os.environ.get("ENGINE_FUZZ_EXAMPLES", "1000"))
-MAX_REQUESTS = 6  # not done at a time: the other steps work on them
+MAX_REQUESTS = 6  # not answered at a time: the other steps work on them
 
 
 @dataclass
 class Request:
     id: str
-    tokenize_open_on: str | None = None  # its /tokenize call's completion is not reported yet
-    choice: tuple[str, float] | None = None  # (replica, when), until routed, replaced or rejected there
-    open_on: str | None = None  # its generation call, accepted and open
-    rejected_by: dict[str, float] = field(default_factory=dict)  # replica -> when
-    # A generation call was sent where its /tokenize call's completion is still to come: until
-    # it comes, a completion there may be taken for the other call's.
+    tokenize_on: str | None = None  # its /tokenize call's completion is not reported yet
+    choice: tuple[str, float] | None = None  # (replica, when), until sent, replaced or expired
+    sent_to: list[str] = field(default_factory=list)  # its generation calls not completed
+    # A generation call completed where its /tokenize call's completion is still to come: the
+    # ledger took it for the /tokenize call's until that comes.
     crossed: bool = False
-    done: bool = False
+    answered: bool = False
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -51,86 +52,63 @@ class LedgerMachine(RuleBasedStateMachine):
     def _any(self, wanted) -> bool:
         return any(wanted(r) for r in self.requests)
 
-    @precondition(lambda self: sum(not r.done for r in self.requests) < MAX_REQUESTS)
+    @precondition(lambda self: sum(not r.answered for r in self.requests) < MAX_REQUESTS)
     @rule(replica=st.sampled_from(REPLICAS), tokenized=st.booleans())
     def a_request_arrives(self, replica, tokenized):
         request = Request(f"req-{len(self.requests)}")
-        if tokenized:  # routed before the ingress reads the tokens, so before any choice
-            self.ledger.routed(request.id, replica, OTHER)
-            request.tokenize_open_on = replica
+        if tokenized:  # sent, and answered, before the ingress goes on to its generation call
+            self.ledger.sent(request.id, replica, OTHER)
+            request.tokenize_on = replica
         self.requests.append(request)
 
-    @precondition(lambda self: self._any(lambda r: r.tokenize_open_on))
+    @precondition(lambda self: self._any(lambda r: r.tokenize_on))
     @rule(index=st.integers(0, 99))
     def a_tokenize_completion_arrives(self, index):
-        request = self._pick(index, lambda r: r.tokenize_open_on)
-        if request:
-            self.ledger.completed(request.id, request.tokenize_open_on)
-            request.tokenize_open_on, request.crossed = None, False
+        request = self._pick(index, lambda r: r.tokenize_on)
+        self.ledger.completed(request.id, request.tokenize_on)
+        request.tokenize_on, request.crossed = None, False
 
-    @precondition(lambda self: self._any(lambda r: not r.done and r.open_on is None))
+    @precondition(lambda self: self._any(lambda r: not r.answered))
     @rule(index=st.integers(0, 99), replica=st.sampled_from(REPLICAS))
     def the_router_chooses(self, index, replica):
-        request = self._pick(index, lambda r: not r.done and r.open_on is None)
-        if request:
-            self.ledger.chosen(request.id, replica)
-            request.choice = (replica, self.now)
+        request = self._pick(index, lambda r: not r.answered)
+        if not any(r.crossed for r in self.requests):
+            assert +self.ledger.loads(excluding=request.id) == self.expected(excluding=request)
+        self.ledger.chosen(request.id, replica)
+        request.choice = (replica, self.now)
 
-    @precondition(lambda self: self._any(lambda r: r.choice and r.open_on is None))
-    @rule(index=st.integers(0, 99), elsewhere=st.sampled_from((None,) + REPLICAS), completion_first=st.booleans(),
-          ends_now=st.booleans())
-    def serve_sends_and_the_replica_accepts(self, index, elsewhere, completion_first, ends_now):
-        request = self._pick(index, lambda r: r.choice and r.open_on is None)
-        if request is None:
-            return
-        sent = elsewhere or request.choice[0]  # elsewhere: the choice missed its queue probe
-        if self.now - request.rejected_by.get(sent, -1e9) <= EARLY_EXPIRY_S:
-            return  # (the documented blind spot: a retry accepted where a call was just rejected)
-        request.choice = None
-        request.crossed |= sent == request.tokenize_open_on
-        if completion_first:  # a short call: Serve reports its completion before its routing
-            self.ledger.completed(request.id, sent)
-            self.ledger.routed(request.id, sent, GENERATION)
-            request.done = True
-        else:
-            self.ledger.routed(request.id, sent, GENERATION)
-            request.open_on = sent
-            if ends_now:
-                self.ledger.completed(request.id, sent)
-                request.open_on, request.done = None, True
-
-    @precondition(lambda self: self._any(lambda r: r.choice and r.open_on is None))
+    @precondition(lambda self: self._any(lambda r: not r.answered))
     @rule(index=st.integers(0, 99), elsewhere=st.sampled_from((None,) + REPLICAS))
-    def serve_sends_and_the_replica_rejects(self, index, elsewhere):
-        request = self._pick(index, lambda r: r.choice and r.open_on is None)
-        if request is None:
-            return
-        sent = elsewhere or request.choice[0]
-        if sent == request.tokenize_open_on:
-            return  # (blind spot: its completion would be taken for the /tokenize call's)
-        self.ledger.completed(request.id, sent)  # Serve cancels it, then chooses again
-        request.rejected_by[sent] = self.now
-        if request.choice[0] == sent:
-            request.choice = None
+    def serve_sends(self, index, elsewhere):
+        """To the choice; or elsewhere: the choice missed its probe, or the replica was chosen
+        for another request (Serve hands a found replica to the oldest request waiting)."""
+        request = self._pick(index, lambda r: not r.answered)
+        sent = elsewhere or (request.choice[0] if request.choice else REPLICAS[0])
+        self.ledger.sent(request.id, sent, GENERATION)
+        request.choice = None
+        request.sent_to.append(sent)
 
-    @precondition(lambda self: self._any(lambda r: r.open_on))
-    @rule(index=st.integers(0, 99))
-    def a_generation_call_completes(self, index):
-        request = self._pick(index, lambda r: r.open_on)
-        if request:
-            self.ledger.completed(request.id, request.open_on)
-            request.open_on, request.done = None, True
+    @precondition(lambda self: self._any(lambda r: r.sent_to))
+    @rule(index=st.integers(0, 99), which=st.integers(0, 9), answered=st.booleans())
+    def a_generation_call_completes(self, index, which, answered):
+        """Answered, failed or cancelled (the request is done), or rejected (it goes on)."""
+        request = self._pick(index, lambda r: r.sent_to)
+        replica = request.sent_to.pop(which % len(request.sent_to))
+        self.ledger.completed(request.id, replica)
+        request.crossed |= replica == request.tokenize_on
+        if answered and request.choice is None:  # (a request chosen again had its calls rejected)
+            request.answered = True
 
-    @rule(seconds=st.sampled_from((0.5, CHOICE_EXPIRY_S + 0.1, EARLY_EXPIRY_S + 0.1)))
+    @rule(seconds=st.sampled_from((0.5, CHOICE_EXPIRY_S + 0.1)))
     def time_passes(self, seconds):
         self.now += seconds
         for request in self.requests:
             if request.choice and request.choice[1] < self.now - CHOICE_EXPIRY_S:
-                request.choice = None  # a lost choice: the request was cancelled before its send
+                request.choice = None  # a lost choice: the request was cancelled, or its replica went to another
 
-    def expected(self) -> Counter:
-        load = Counter(r.open_on for r in self.requests if r.open_on)
-        load.update(r.choice[0] for r in self.requests if r.choice and r.open_on is None)
+    def expected(self, excluding: Request | None = None) -> Counter:
+        load = Counter(replica for r in self.requests for replica in r.sent_to)
+        load.update(r.choice[0] for r in self.requests if r.choice and r is not excluding)
         return +load
 
     @precondition(lambda self: not any(r.crossed for r in self.requests))
@@ -141,15 +119,13 @@ class LedgerMachine(RuleBasedStateMachine):
     def teardown(self):
         # Every call Serve sent completes: then nothing is left, whatever the order was.
         for request in self.requests:
-            if request.tokenize_open_on:
-                self.ledger.completed(request.id, request.tokenize_open_on)
-            if request.open_on:
-                self.ledger.completed(request.id, request.open_on)
-        self.now += max(CHOICE_EXPIRY_S, EARLY_EXPIRY_S) + 1
+            if request.tokenize_on:
+                self.ledger.completed(request.id, request.tokenize_on)
+            for replica in request.sent_to:
+                self.ledger.completed(request.id, replica)
+        self.now += CHOICE_EXPIRY_S + 1
         assert not +self.ledger.loads()
-        self.ledger.routed("one-more", "a", OTHER)  # (forgets what expired)
-        assert not self.ledger._chosen and not self.ledger._completed_early
-        assert self.ledger._open == {("one-more", "a"): [OTHER]}
+        assert not self.ledger._chosen and not self.ledger._open
 
 
 TestCallLedger = LedgerMachine.TestCase

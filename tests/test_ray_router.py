@@ -1,66 +1,77 @@
 """The KV-aware Serve request router's own load count (entrypoints/ray_serve/router.py), driven
-the way Serve's router calls it, without a cluster: calls open per replica, ties in turn.
+through Serve's own routing path (RequestRouter._choose_replica_for_request: choose_replicas,
+queue probes, ranks, retries), as handle.remote() drives it, with replicas that answer the
+probes here instead of actors: calls open per replica, ties in turn.
 
 Skipped with the reason when Ray is not installed (pip install 'engine[ray]'); CI installs it."""
 from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("ray.serve", reason="needs Ray: pip install 'engine[ray]'")
 
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
+from ray.serve._private.common import (DeploymentHandleSource, DeploymentID, ReplicaID,  # noqa: E402
+                                       RequestMetadata)
+from ray.serve._private.request_router.common import PendingRequest  # noqa: E402
 
 from entrypoints.ray_serve.router import KVAwareRequestRouter  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="decode", app_name="app")
 
 
-def _replica(name: str) -> SimpleNamespace:
-    return SimpleNamespace(replica_id=ReplicaID(name, DEPLOYMENT), routing_stats={"url": f"http://{name}"})
+class _Replica:
+    """What Serve's RequestRouter reads of a replica: its id, its limit, its queue probe."""
+
+    def __init__(self, name: str) -> None:
+        self.replica_id = ReplicaID(name, DEPLOYMENT)
+        self.routing_stats = {"url": f"http://{name}"}
+        self.max_ongoing_requests = 8
+        self.probe_delay_s = 0.0  # past Serve's deadline (0.1 s): the probe is missed
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        await asyncio.sleep(self.probe_delay_s)
+        return 0
 
 
-def _call(request_id: str, generation: bool = True) -> SimpleNamespace:
+def _pending(request_id: str, generation: bool = True) -> PendingRequest:
     """A generation call carries the prompt's blocks (None: not known); a /tokenize call none."""
-    return SimpleNamespace(metadata=SimpleNamespace(internal_request_id=request_id),
-                           kwargs={"prompt_blocks": None} if generation else {})
+    return PendingRequest(args=[], kwargs={"prompt_blocks": None} if generation else {},
+                          metadata=RequestMetadata(request_id=request_id, internal_request_id=request_id))
 
 
-def test_generation_calls_count_whatever_order_serve_reports_them_in(monkeypatch):
-    """Each request's /tokenize call, then its generation call, as Serve reports them (one
-    internal request id for both): a generation call counts from its choice to its
-    completion, on the replica that accepted it; /tokenize calls do not count. Idle replicas
-    take turns; a replica with a generation call open is passed over while another has none."""
+def test_generation_calls_count_from_send_to_completion_whatever_serve_does(monkeypatch):
+    """Each request's /tokenize call, then its generation call (one internal request id for
+    both): a generation call counts from its choice to its completion, on the replica Serve
+    sent it to; /tokenize calls do not count. Idle replicas take turns; a replica with a
+    generation call open is passed over while another has none."""
     async def run() -> None:
         router = KVAwareRequestRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
         router.initialize_state()
-        a, b = _replica("a"), _replica("b")
+        a, b = _Replica("a"), _Replica("b")
         replicas = {"a": a, "b": b}
+        router.update_replicas([a, b])
         ids = iter(range(1000))
 
-        async def chosen(request_id: str, generation: bool = True) -> str:
-            ranks = await router.choose_replicas([a, b], _call(request_id, generation))
-            return ranks[0][0].replica_id.unique_id
+        async def sent(call: PendingRequest, is_retry: bool = False) -> str:
+            replica = await router._choose_replica_for_request(call, is_retry=is_retry)
+            return replica.replica_id.unique_id
 
-        def routed(request_id: str, name: str, generation: bool = True) -> None:
-            router.on_request_routed(_call(request_id, generation), replicas[name].replica_id, None)
+        async def chosen(request_id: str) -> str:
+            """A choice Serve has not sent yet (its queue probe still out)."""
+            ranks = await router.choose_replicas([a, b], _pending(request_id))
+            return ranks[0][0].replica_id.unique_id
 
         def completed(request_id: str, name: str) -> None:
             router.on_request_completed(replicas[name].replica_id, request_id)
 
         async def short_request() -> str:
-            """A /tokenize call, then a short generation call whose completion Serve reports
-            before its routing (the replica's answer came before its acceptance)."""
             request_id = f"short-{next(ids)}"
-            tokenized_on = await chosen(request_id, generation=False)
-            routed(request_id, tokenized_on, generation=False)
-            completed(request_id, tokenized_on)
-            name = await chosen(request_id)
+            completed(request_id, await sent(_pending(request_id, generation=False)))
+            name = await sent(_pending(request_id))
             completed(request_id, name)
-            routed(request_id, name)
             return name
 
         def loads() -> tuple[int, int]:
@@ -69,55 +80,58 @@ def test_generation_calls_count_whatever_order_serve_reports_them_in(monkeypatch
 
         assert sorted([await short_request() for _ in range(4)]) == ["a", "a", "b", "b"]  # both idle: turns
         assert loads() == (0, 0)
-        # A stream open on a: every choice is b until it completes.
-        await chosen("stream")
-        routed("stream", "a")  # (wherever chosen: Serve sent it to a)
-        assert [await short_request() for _ in range(3)] == ["b"] * 3
-        completed("stream", "a")
+        # A stream open on one replica: every choice is the other until it completes.
+        streamed_on = await sent(_pending("stream"))
+        other = "b" if streamed_on == "a" else "a"
+        assert [await short_request() for _ in range(3)] == [other] * 3
+        completed("stream", streamed_on)
         assert sorted([await short_request() for _ in range(4)]) == ["a", "a", "b", "b"]
-        # The CI failure: a stream chosen for b, whose queue probe b missed, is sent to a (the
-        # next rank): a holds it once Serve reports it routed, and the next stream goes to b.
-        while await chosen("probe-missed") != "b":
-            pass
-        routed("probe-missed", "a")
-        assert loads() == (1, 0)
-        assert await chosen("next") == "b"
-        routed("next", "b")
-        completed("probe-missed", "a")
-        completed("next", "b")
-        # A request's /tokenize call to b whose completion comes after its generation call was
-        # routed to a: b stays idle for the next request.
-        tokenized_on = await chosen("late", generation=False)
-        routed("late", tokenized_on, generation=False)
-        generated_on = "b" if tokenized_on == "a" else "a"
-        routed("late", generated_on)
-        assert loads() == ((1, 0) if generated_on == "a" else (0, 1))
-        assert await chosen("after") == tokenized_on
-        routed("after", tokenized_on)
-        completed("after", tokenized_on)
-        completed("late", tokenized_on)
-        assert loads() == ((1, 0) if generated_on == "a" else (0, 1))
-        completed("late", generated_on)
-        # A rejection: the request's call is chosen again and accepted by the other replica; the
-        # rejection's completion, reported late, leaves that call open.
-        first = await chosen("rejected")
-        other = "b" if first == "a" else "a"
-        routed("rejected", other)
+        # The CI failure: b is chosen but misses its queue probe, so Serve sends the call to a
+        # (the next rank). a holds it, and the next stream goes to b.
+        b.probe_delay_s = 1.0
+        assert [await sent(_pending(f"probe-missed-{n}")) for n in range(2)] == ["a", "a"]
+        b.probe_delay_s = 0.0
+        assert loads() == (2, 0)
+        assert await sent(_pending("next")) == "b"
+        for request_id, name in (("probe-missed-0", "a"), ("probe-missed-1", "a"), ("next", "b")):
+            completed(request_id, name)
+        # A request's /tokenize call whose completion comes after its generation call was sent
+        # elsewhere: the /tokenize call's replica stays idle for the next request.
+        b.probe_delay_s = 1.0
+        assert await sent(_pending("late", generation=False)) == "a"
+        a.probe_delay_s, b.probe_delay_s = 1.0, 0.0
+        assert await sent(_pending("late")) == "b"
+        a.probe_delay_s = 0.0
+        assert await sent(_pending("after")) == "a"
+        completed("after", "a")
+        completed("late", "a")
+        assert loads() == (0, 1)
+        completed("late", "b")
+        # A replica rejects a call (it was full), and accepts Serve's retry of it: the retry
+        # counts until its completion, whenever the rejection's completion is reported.
+        call = _pending("rejected")
+        first = await sent(call)
+        replicas["b" if first == "a" else "a"].probe_delay_s = 1.0  # (the other is not free either)
+        assert await sent(call, is_retry=True) == first
+        a.probe_delay_s = b.probe_delay_s = 0.0
+        completed("rejected", first)  # the rejection's, reported late
+        assert loads() == ((1, 0) if first == "a" else (0, 1))
         completed("rejected", first)
-        assert loads() == ((1, 0) if other == "a" else (0, 1))
-        completed("rejected", other)
         assert loads() == (0, 0)
         # Choices Serve has not sent yet count: concurrent requests chosen before any send
-        # spread over the replicas; a choice never routed (the request was cancelled) expires.
+        # spread over the replicas; a request's own choice does not count against it when it
+        # is chosen again; a choice never sent (the request was cancelled) expires.
         assert sorted([await chosen(f"burst-{n}") for n in range(4)]) == ["a", "a", "b", "b"]
         assert loads() == (2, 2)
-        routed("burst-0", "a")
+        assert router._calls.loads(excluding="burst-0") in ({a.replica_id: 1, b.replica_id: 2},
+                                                            {a.replica_id: 2, b.replica_id: 1})
+        burst_0_on = await sent(_pending("burst-0"))
         monkeypatch.setattr(router._calls, "_clock", lambda: time.monotonic() + 10)
-        assert loads() == (1, 0)
-        completed("burst-0", "a")
+        assert loads() == ((1, 0) if burst_0_on == "a" else (0, 1))
+        completed("burst-0", burst_0_on)
         # Replicas Serve removed are forgotten.
-        routed("on-b", "b")
-        router.update_replicas([a])
+        on = await sent(_pending("removed"))
+        router.update_replicas([replicas["b" if on == "a" else "a"]])
         assert loads() == (0, 0)
 
     asyncio.run(run())

@@ -1,20 +1,19 @@
 """The calls each replica holds, for the KV-aware Serve router's load
-(entrypoints/ray_serve/router.py): generation calls chosen and not yet accepted, and calls
-accepted and not yet completed, by request id.
+(entrypoints/ray_serve/router.py): generation calls chosen and not yet sent, and calls sent and
+not yet completed, by request id.
 
-Serve reports a call's life in these hooks, all with the request's internal id: choose_replicas
-(again after a rejection or a backoff), on_request_routed (the replica accepted it) and
-on_request_completed (once per call sent, a rejected one too, possibly before Serve reports the
-same call routed). The ingress's calls for one HTTP request share its id: its /tokenize call,
-then its generation call, to the same deployment. So a call is known by (id, replica), and a
-completion closes the call it can only be: a /tokenize call open there before the generation
-call (the ingress awaits it first).
+The router reports a call's life from Serve's path for ``handle.remote()``
+(serve/_private/router.py, _route_and_send_request_once): choose_replicas (again while no
+replica answers the queue probe, and after a rejection), the send (the replica Serve's
+_choose_replica_for_request returned: the choice, or another rank when the choice missed its
+probe) and on_request_completed (exactly once per send: an answer, a failure, a cancel, a
+rejection; from another thread, so possibly long after the request's next send). The ingress's
+calls for one HTTP request share its internal id: its /tokenize call, then its generation call,
+to the same deployment. So a call is known by (id, replica), and a completion closes a
+/tokenize call open there before a generation call (the ingress awaited it first).
 
-Counting by id keeps the load right in the orders seen here: a choice Serve sent to another replica
-(its first choice did not answer the queue probe in time) moves there when the call is routed;
-a rejected call's completion does not close the request's later call elsewhere. Only
-generation calls count: a /tokenize call holds no engine capacity, and its completion racing
-its own request's generation choice made the replica it went to look busy.
+Only generation calls count: a /tokenize call holds no engine capacity. A call counts from its
+send to its completion, a rejected one too (its replica is full) until Serve reports it.
 """
 from __future__ import annotations
 
@@ -23,67 +22,43 @@ from collections import Counter
 from typing import Callable, Hashable
 
 GENERATION, OTHER = "generation", "other"
-CHOICE_EXPIRY_S = 2.0  # a choice neither routed nor completed by then was cancelled or lost
-# A completion Serve never reports routed (a rejection's) is forgotten by then. Until then, the
-# request's next call accepted by the same replica is taken for the completed one, and goes
-# uncounted: a replica that rejected a call (it was full) takes the retry only once it has room.
-# A shorter wait would leak a call that Serve reports routed later than that for ever.
-EARLY_EXPIRY_S = 10.0
+CHOICE_EXPIRY_S = 2.0  # a choice not sent by then was cancelled, or its replica went to another request
 
 
 class CallLedger:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._chosen: dict[str, tuple[Hashable, float]] = {}  # id -> (replica, when): generation calls
-        self._open: dict[tuple[str, Hashable], list[str]] = {}  # (id, replica) -> kinds of calls open
-        # Completions of calls not reported routed yet: (id, replica) -> when, oldest first.
-        self._completed_early: dict[tuple[str, Hashable], list[float]] = {}
+        self._open: dict[tuple[str, Hashable], list[str]] = {}  # (id, replica) -> kinds of calls sent, not completed
 
     def chosen(self, request_id: str, replica: Hashable) -> None:
         """The router chose ``replica`` for the request's generation call (replacing any earlier
-        choice: Serve asks again after a rejection)."""
+        choice of the request)."""
         self._chosen[request_id] = (replica, self._clock())
 
-    def routed(self, request_id: str, replica: Hashable, kind: str) -> None:
-        """``replica`` accepted the call: open there until its completion."""
+    def sent(self, request_id: str, replica: Hashable, kind: str) -> None:
+        """Serve sent a call of the request to ``replica``: open there until its completion."""
         if kind == GENERATION:
             self._chosen.pop(request_id, None)
-        self._forget_old_completions()
-        early = self._completed_early.get((request_id, replica))
-        if early:  # it completed already
-            early.pop(0)
-            if not early:
-                del self._completed_early[(request_id, replica)]
-            return
         self._open.setdefault((request_id, replica), []).append(kind)
 
     def completed(self, request_id: str, replica: Hashable) -> None:
         """A call of the request to ``replica`` ended (answered, failed, cancelled or rejected)."""
         key = (request_id, replica)
         kinds = self._open.get(key)
-        if kinds:
-            kinds.remove(OTHER if OTHER in kinds else kinds[0])
-            if not kinds:
-                del self._open[key]
-            return
-        # Not routed (yet): a rejection, or a short call whose completion came first. A
-        # generation call, since /tokenize is reported routed before the ingress goes on.
-        if self._chosen.get(request_id, (None,))[0] == replica:
-            del self._chosen[request_id]
-        self._forget_old_completions()
-        self._completed_early.setdefault(key, []).append(self._clock())
+        if not kinds:
+            return  # sent to a replica forgotten since (keep_only)
+        kinds.remove(OTHER if OTHER in kinds else GENERATION)
+        if not kinds:
+            del self._open[key]
 
-    def _forget_old_completions(self) -> None:
-        old = self._clock() - EARLY_EXPIRY_S
-        self._completed_early = {k: kept for k, times in self._completed_early.items()
-                                 if (kept := [t for t in times if t > old])}
-
-    def loads(self) -> Counter:
-        """Generation calls each replica holds: accepted and open, or chosen within CHOICE_EXPIRY_S."""
+    def loads(self, excluding: str | None = None) -> Counter:
+        """Generation calls each replica holds: sent and open, or chosen within CHOICE_EXPIRY_S
+        and not sent yet, but for ``excluding``'s own choice (the request choosing again)."""
         fresh = self._clock() - CHOICE_EXPIRY_S
         for request_id in [i for i, (_, t) in self._chosen.items() if t < fresh]:
             del self._chosen[request_id]
-        load = Counter(r for r, _ in self._chosen.values())
+        load = Counter(r for i, (r, _) in self._chosen.items() if i != excluding)
         for (_, replica), kinds in self._open.items():
             load[replica] += kinds.count(GENERATION)
         return load
@@ -92,4 +67,3 @@ class CallLedger:
         """Forgets the calls of replicas Serve removed (scaled down, dead)."""
         self._chosen = {i: c for i, c in self._chosen.items() if c[0] in replicas}
         self._open = {k: v for k, v in self._open.items() if k[1] in replicas}
-        self._completed_early = {k: v for k, v in self._completed_early.items() if k[1] in replicas}

@@ -8,14 +8,17 @@ secret) in its own process under the deployment's name, and passes each request'
 blocks as the ``prompt_blocks`` keyword. Each replica names its engine's URL and event
 endpoints in its routing stats (EngineReplica.record_routing_stats). Load is this router's own
 count of generation calls on each replica, from the choice to the completion
-(entrypoints/ray_serve/call_ledger.py). Where no KVRouter is
-registered (another caller of the deployment), or a request carries no prompt blocks, the least
-loaded replica is chosen.
+(entrypoints/ray_serve/call_ledger.py); a call's send is known from Serve's
+_choose_replica_for_request, a private method of Serve's RequestRouter (setup.py pins Serve),
+which handle.remote()'s path awaits for each send. Where no KVRouter is registered (another
+caller of the deployment), or a request carries no prompt blocks, the least loaded replica is
+chosen.
 """
 from __future__ import annotations
 
 import importlib
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -23,7 +26,14 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from entrypoints.kv_router import KVRouter
 from entrypoints.ray_serve.call_ledger import GENERATION, OTHER, CallLedger
 
+if not hasattr(RequestRouter, "_choose_replica_for_request"):  # where the sends are read
+    raise ImportError("this Ray Serve has no RequestRouter._choose_replica_for_request: "
+                      "install the version setup.py pins (pip install 'engine[ray]')")
+
 _REGISTERED: dict[str, KVRouter] = {}  # deployment name -> the KVRouter of this process
+# Requests whose hit is counted (once, whatever Serve's retries), until a replica accepts one of
+# their generation calls; the oldest are dropped beyond this (a request cancelled while routed).
+MAX_COUNTED = 4096
 
 
 def register(deployment: str, router: KVRouter) -> None:
@@ -41,7 +51,7 @@ class KVAwareRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._calls = CallLedger()
         self._followed: dict[str, dict | None] = {}  # url -> the events it was followed with
-        self._counted: set[str] = set()  # requests counted in the KVRouter's hit statistics, until routed
+        self._counted: OrderedDict[str, None] = OrderedDict()  # see MAX_COUNTED
         # Ties in load go round robin, a turn counter per kind of call (engine proxy's
         # ``ordered``): a request's /tokenize call (no ``prompt_blocks``) comes before each of
         # its generation calls, and one shared counter would give those every other turn only.
@@ -84,8 +94,9 @@ class KVAwareRequestRouter(RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         candidates = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         kind = _kind(kwargs)
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         start = next(self._turns[kind]) % max(len(candidates), 1)
-        load = self._calls.loads()
+        load = self._calls.loads(excluding=request_id)
         by_load = sorted((_Candidate((r.routing_stats or {}).get("url", ""), load[r.replica_id], r)
                           for r in candidates[start:] + candidates[:start]), key=lambda c: c.in_flight)
         kv = self._kv
@@ -96,27 +107,29 @@ class KVAwareRequestRouter(RequestRouter):
             best = by_load[0]
         else:
             best, hit = kv.choose(by_load, prompt)
-            request_id = pending_request.metadata.internal_request_id
-            if request_id not in self._counted:  # asked again after a backoff: counted once
-                self._counted.add(request_id)
+            if request_id not in self._counted:  # chosen again (no probe answered, a rejection)
+                self._counted[request_id] = None
+                if len(self._counted) > MAX_COUNTED:
+                    self._counted.popitem(last=False)
                 kv.count(best.url, prompt, hit)
-        if kind == GENERATION and pending_request is not None:
-            self._calls.chosen(pending_request.metadata.internal_request_id, best.replica.replica_id)
+        if kind == GENERATION and request_id is not None:
+            self._calls.chosen(request_id, best.replica.replica_id)
         return [[best.replica], [c.replica for c in by_load if c is not best]]
 
-    # Serve's strict max_ongoing_requests (on outside Ray Client) reports every accepted call
-    # routed; the ingress is a Serve deployment, never a Ray Client.
+    async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
+                                          is_retry: bool = False) -> RunningReplica:
+        # Serve's handle.remote() path sends the call to the replica this returns, with no await
+        # in between, and reports that call's completion exactly once.
+        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        self._calls.sent(pending_request.metadata.internal_request_id, replica.replica_id,
+                         _kind(pending_request.kwargs))
+        return replica
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        self._calls.routed(request_id, replica_id, _kind(pending_request.kwargs))
-        self._counted.discard(request_id)
+        self._counted.pop(pending_request.metadata.internal_request_id, None)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        # Every call sent through a handle's .remote() completes once (a replica's rejection,
-        # a cancelled stream and a dead replica too); Serve also reports a call that failed
-        # before it was sent.
         self._calls.completed(internal_request_id, replica_id)
-        self._counted.discard(internal_request_id)
 
 
 def _kind(kwargs: dict) -> str:
