@@ -12,7 +12,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.kv_transfer import p2p_consumer, p2p_producer
+from engine.kv_transfer import p2p_consumer, p2p_peers, p2p_producer
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, SendSpec, ipc_path
 from engine.kv_transfer.p2p_wire import (
     Challenge, Chunk, HelloReply, Pull, Refused, Release, SessionTag, ShmDone, decode, encode,
@@ -439,9 +439,9 @@ def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by
     afresh, which shows the mismatch: the pull fails as auth, long before its deadline, and the
     puller goes on serving other producers. ``pull-lost``: the pull was queued all the same (zmq
     was in the middle of a reconnect when it was sent) and is lost with that connection; the
-    socket's failed handshakes fail it as soon."""
+    failed handshake, seen while the pull waits, fails it as soon."""
     monkeypatch.setattr(p2p_consumer, "NUM_PULLERS", 1)  # one puller: the one that would hang
-    send = p2p_consumer.Peer.send
+    send, broken = p2p_peers.Peer.send, p2p_peers.Peer.broken
     port = free_port()
     first = P2PConnectorWorker(ENGINE_ID, FINGERPRINT, "127.0.0.1", port, secret=SECRET)
     first.register_kv_caches(torch.randn(SHAPE))
@@ -449,13 +449,15 @@ def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by
     try:
         _offer(first, "a", list(range(3)))
         assert _load(consumer, "a", _tcp(first), list(range(3))).finished_recving == {"a"}
+        if pull_lost:  # the failed reconnect not seen before the pull either
+            monkeypatch.setattr(p2p_peers.Peer, "broken", lambda peer: False)
         first.shutdown()
         restarted = P2PConnectorWorker(ENGINE_ID, FINGERPRINT, "127.0.0.1", port, secret=SECRET, encrypt=True)
         restarted.register_kv_caches(torch.randn(SHAPE))
         _offer(restarted, "b", list(range(3)))
         time.sleep(1.5)  # zmq reconnects (every 100 ms) and the handshake fails
         if pull_lost:
-            monkeypatch.setattr(p2p_consumer.Peer, "send", lambda peer, msg, patience_s=0.0: True)
+            monkeypatch.setattr(p2p_peers.Peer, "send", lambda peer, msg, patience_s=0.0: True)
         start = time.monotonic()
         consumer.start_load_kv(P2PMetadata(loads=[LoadSpec("b", _tcp(restarted), "b", 0, list(range(3)),
                                                            time.monotonic() + 20, "tokens")]))
@@ -466,7 +468,8 @@ def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by
         assert reason.startswith("auth: the transport handshake failed") and "(handshake with" in reason, reason
         assert time.monotonic() - start < 5, "the load waited for its deadline"
         assert consumer.counters["failures"] == {"auth": 1}
-        monkeypatch.setattr(p2p_consumer.Peer, "send", send)
+        monkeypatch.setattr(p2p_peers.Peer, "send", send)
+        monkeypatch.setattr(p2p_peers.Peer, "broken", broken)
         _offer(other, "c", list(range(3)))
         assert _load(consumer, "c", _tcp(other), list(range(3))).finished_recving == {"c"}
     finally:

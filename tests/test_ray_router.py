@@ -7,6 +7,8 @@ Skipped with the reason when Ray is not installed (pip install 'engine[ray]'); C
 from __future__ import annotations
 
 import asyncio
+import inspect
+import re
 import time
 
 import pytest
@@ -16,6 +18,7 @@ pytest.importorskip("ray.serve", reason="needs Ray: pip install 'engine[ray]'")
 from ray.serve._private.common import (DeploymentHandleSource, DeploymentID, ReplicaID,  # noqa: E402
                                        RequestMetadata)
 from ray.serve._private.request_router.common import PendingRequest  # noqa: E402
+from ray.serve._private.router import AsyncioRouter  # noqa: E402
 
 from entrypoints.ray_serve.router import KVAwareRequestRouter  # noqa: E402
 
@@ -56,7 +59,9 @@ def test_generation_calls_count_from_send_to_completion_whatever_serve_does(monk
         ids = iter(range(1000))
 
         async def sent(call: PendingRequest, is_retry: bool = False) -> str:
+            """As handle.remote()'s path sends a call (see the test below)."""
             replica = await router._choose_replica_for_request(call, is_retry=is_retry)
+            router.on_send_request(replica.replica_id)
             return replica.replica_id.unique_id
 
         async def chosen(request_id: str) -> str:
@@ -126,6 +131,9 @@ def test_generation_calls_count_from_send_to_completion_whatever_serve_does(monk
         assert router._calls.loads(excluding="burst-0") in ({a.replica_id: 1, b.replica_id: 2},
                                                             {a.replica_id: 2, b.replica_id: 1})
         burst_0_on = await sent(_pending("burst-0"))
+        # A replica returned but never sent to (Serve's reservation API) counts as its choice only.
+        await router._choose_replica_for_request(_pending("reserved"))
+        assert sum(loads()) == 5
         monkeypatch.setattr(router._calls, "_clock", lambda: time.monotonic() + 10)
         assert loads() == ((1, 0) if burst_0_on == "a" else (0, 1))
         completed("burst-0", burst_0_on)
@@ -135,3 +143,14 @@ def test_generation_calls_count_from_send_to_completion_whatever_serve_does(monk
         assert loads() == (0, 0)
 
     asyncio.run(run())
+
+
+def test_serve_sends_to_the_replica_it_was_given_before_anything_else_runs():
+    """The router takes a call as sent to the replica _choose_replica_for_request returned when
+    Serve next reports a send (on_send_request): true only while handle.remote()'s path sends
+    in between with no await. Serve's source (pinned in setup.py) is read for that, so a Serve
+    that changes it fails here rather than miscounting."""
+    source = inspect.getsource(AsyncioRouter._route_and_send_request_once)
+    between = re.search(r"_choose_replica_for_request\((.*?)on_send_request\(", source, re.S)
+    assert between and "await" not in between.group(1).split(")", 1)[1], between
+    assert "try_send_request" in between.group(1)

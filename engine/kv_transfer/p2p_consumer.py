@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -36,6 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from engine.kv_transfer.base import LoadBook, contiguous_runs, queued
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec, RenewSpec
+from engine.kv_transfer.p2p_peers import Peer, PeerCache, close_monitored, monitored_socket
 from engine.kv_transfer.p2p_wire import (
     FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, Auth, Challenge, Chunk, ChunkLayout, Hello, HelloReply, Pull,
     Refused, Release, Renew, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage, curve_keys, decode, encode, proof,
@@ -54,45 +54,10 @@ CONTROL_CONNECT_S = 2.0
 UNREACHABLE_SKIP_S = 10.0
 MAX_CONTROL_QUEUE = 4096
 MAX_PEERS_COUNTED = 64  # producers whose pulls /status reports (only signed offers make one)
-# Transport handshake failures: a CURVE/plain mismatch (PROTOCOL), or CURVE keys of another
-# secret (NO_DETAIL: the producer cannot read our hello and hangs up).
-HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 UNSENDABLE = "unreachable: our connection to the KV peer takes nothing"
 TRANSPORT_FAILED = "auth: the transport handshake failed"
-SEND_PATIENCE_S = 1.0
-
-
-@dataclass(slots=True)
-class Peer:
-    """An authenticated producer: our socket to it, its shared KV tensor when it lends blocks on
-    this host, and the session that tags everything we send it. ``monitor`` reports the
-    socket's failed transport handshakes, for its whole life: zmq reconnects by itself, and a
-    reconnect to a producer restarted on the address with other --kv-encrypt settings fails
-    there and nowhere else (what we queued meanwhile is lost)."""
-    sock: zmq.Socket
-    monitor: zmq.Socket
-    kv: torch.Tensor | None
-    session: SessionTag
-
-    def send(self, msg: WireMessage, patience_s: float = SEND_PATIENCE_S) -> bool:
-        """Queue ``msg``; False when a reconnect failed its transport handshake, or the socket
-        takes nothing within ``patience_s``: zmq has no connection to queue on (a blocking
-        send would wait for ever). A live connection takes a message at once."""
-        if self.monitor.poll(0) or not self.sock.poll(int(patience_s * 1000), zmq.POLLOUT):
-            return False
-        body = encode(msg)
-        try:
-            self.sock.send_multipart([body, self.session.next(body)], flags=zmq.NOBLOCK)
-        except zmq.Again:  # the connection went between the poll and the send
-            return False
-        return True
-
-    def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
 
 
 REFUSED = "auth: the KV peer refused us"
@@ -148,11 +113,16 @@ class P2PConsumer:
                 t.join(2)
 
     def _pull_loop(self) -> None:
-        peers: dict[str, Peer] = {}
+        peers = PeerCache()
         try:
-            for job in queued(self._jobs, self._stop):
+            for job in queued(self._jobs, self._stop, idle=peers.tidy):
+                peers.tidy()
                 started = time.perf_counter()
-                error = self._load(job, peers)
+                try:
+                    error = self._load(job, peers)
+                except Exception as exc:  # (zmq out of sockets, a bug): this load fails, the puller goes on
+                    logger.exception("KV load of %s failed", job.req_id)
+                    error = f"internal: {type(exc).__name__}: {exc}"
                 reason = None if error is None else error.split(":")[0]  # errors start with their reason
                 with self._lock:
                     if reason is not None:
@@ -162,56 +132,55 @@ class P2PConsumer:
                 self.loads.finish(job.req_id, error)
                 if error is not None:
                     logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
-                    peer = peers.pop(job.remote_addr, None)
-                    if peer is not None:  # drop anything queued or in flight on it
-                        peer.close()
+                    peers.drop(job.remote_addr)
         finally:
-            for peer in peers.values():
-                peer.close()
+            peers.close()
 
     def _control_loop(self) -> None:
-        peers: dict[str, Peer] = {}
+        peers = PeerCache()
         unreachable: dict[str, float] = {}  # address -> until when it is skipped
         try:
-            for job in queued(self._control, self._stop):
+            for job in queued(self._control, self._stop, idle=peers.tidy):
+                peers.tidy()
                 addr = job.remote_addr
                 if addr not in peers:
                     if unreachable.get(addr, 0.0) > time.monotonic():
                         continue
-                    peer, _ = self._connect(addr, time.monotonic() + CONTROL_CONNECT_S)
+                    try:
+                        peer, _ = self._connect(addr, time.monotonic() + CONTROL_CONNECT_S)
+                    except zmq.ZMQError:
+                        logger.exception("KV control connection to %s failed", addr)
+                        peer = None
                     if peer is None:
                         unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
                         continue
                     unreachable.pop(addr, None)
-                    peers[addr] = peer
+                    peers.put(addr, peer)
                 kind = Release if isinstance(job, ReleaseSpec) else Renew
                 # Never waits: a peer that takes nothing (gone without a FIN) is dropped.
-                if not peers[addr].send(kind(job.remote_request_id, job.token_digest), patience_s=0.0):
-                    peers.pop(addr).close()
+                if not peers.get(addr).send(kind(job.remote_request_id, job.token_digest), patience_s=0.0):
+                    peers.drop(addr)
                     unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
         finally:
-            for peer in peers.values():
-                peer.close()
+            peers.close()
 
     def _connect(self, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
         """An authenticated peer, or an error."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Chunk frames are the largest thing a producer sends; zmq drops the connection of a
-        # peer that sends more (the transfer then fails by its deadline), so a broken or
-        # hostile peer cannot make us allocate without bound.
-        sock.setsockopt(zmq.MAXMSGSIZE, self.layout.slot_bytes + FRAME_SLACK_BYTES)
-        # The producer sends replies and KV to whichever connection holds our routing id, and a
-        # new one may claim it the moment ours is gone (while sends to us may still be under
-        # way). zmq's own ids are a counter; this one cannot be guessed (it is seen only on the
-        # path, in the clear unless encrypted).
-        sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
-        if self._encrypt:
-            sock.curve_serverkey = curve_keys(self._secret, "server")[0]
-            sock.curve_publickey, sock.curve_secretkey = curve_keys(self._secret, "client")
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        sock, monitor = monitored_socket(self._ctx)
         peer = None
         try:
+            # Chunk frames are the largest thing a producer sends; zmq drops the connection of a
+            # peer that sends more (the transfer then fails by its deadline), so a broken or
+            # hostile peer cannot make us allocate without bound.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.layout.slot_bytes + FRAME_SLACK_BYTES)
+            # The producer sends replies and KV to whichever connection holds our routing id, and
+            # a new one may claim it the moment ours is gone (while sends to us may still be under
+            # way). zmq's own ids are a counter; this one cannot be guessed (it is seen only on the
+            # path, in the clear unless encrypted).
+            sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+            if self._encrypt:
+                sock.curve_serverkey = curve_keys(self._secret, "server")[0]
+                sock.curve_publickey, sock.curve_secretkey = curve_keys(self._secret, "client")
             sock.connect(addr)
             peer, error = self._handshake(sock, monitor, addr, deadline)
             if peer is None and error.startswith(REFUSED):
@@ -220,9 +189,7 @@ class P2PConsumer:
                 peer, error = self._handshake(sock, monitor, addr, deadline)
         finally:
             if peer is None:
-                sock.disable_monitor()
-                monitor.close(linger=0)
-                sock.close(linger=0)
+                close_monitored(sock, monitor)
         return peer, error
 
     def _handshake(self, sock, monitor, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
@@ -287,7 +254,7 @@ class P2PConsumer:
             if accept(msg):
                 return (msg, frames) if req_id is not None else msg
 
-    def _load(self, job: LoadSpec, peers: dict[str, Peer]) -> str | None:
+    def _load(self, job: LoadSpec, peers: PeerCache) -> str | None:
         """Pull one request's KV into its blocks; None on success, else "<reason>: <detail>"."""
         addr = job.remote_addr
         reused = addr in peers
@@ -297,18 +264,18 @@ class P2PConsumer:
             # reconnected our socket to the new process, or failed to: its transport handshake
             # failed) or forgot us. Handshake afresh, once: a refusal of the transport handshake
             # shows there at once, as auth.
-            peers.pop(addr).close()
+            peers.drop(addr)
             error = self._load_from(job, peers)
         return error
 
-    def _load_from(self, job: LoadSpec, peers: dict[str, Peer]) -> str | None:
+    def _load_from(self, job: LoadSpec, peers: PeerCache) -> str | None:
         addr = job.remote_addr
         peer = peers.get(addr)
         if peer is None:
             peer, error = self._connect(addr, job.deadline)
             if peer is None:
                 return error
-            peers[addr] = peer
+            peers.put(addr, peer)
         transfer_id = uuid.uuid4().hex
         start = time.perf_counter()
         if not peer.send(Pull(transfer_id, job.remote_request_id, job.start_block, len(job.block_ids),

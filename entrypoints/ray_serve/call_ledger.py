@@ -4,10 +4,11 @@ not yet completed, by request id.
 
 The router reports a call's life from Serve's path for ``handle.remote()``
 (serve/_private/router.py, _route_and_send_request_once): choose_replicas (again while no
-replica answers the queue probe, and after a rejection), the send (the replica Serve's
+replica answers the queue probe, and after a rejection), the send (to the replica Serve's
 _choose_replica_for_request returned: the choice, or another rank when the choice missed its
 probe) and on_request_completed (exactly once per send: an answer, a failure, a cancel, a
-rejection; from another thread, so possibly long after the request's next send). The ingress's
+rejection; posted onto the router's loop from another thread, so possibly long after the
+request's next send). The ingress's
 calls for one HTTP request share its internal id: its /tokenize call, then its generation call,
 to the same deployment. So a call is known by (id, replica), and a completion closes a
 /tokenize call open there before a generation call (the ingress awaited it first).

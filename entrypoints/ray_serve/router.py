@@ -8,11 +8,13 @@ secret) in its own process under the deployment's name, and passes each request'
 blocks as the ``prompt_blocks`` keyword. Each replica names its engine's URL and event
 endpoints in its routing stats (EngineReplica.record_routing_stats). Load is this router's own
 count of generation calls on each replica, from the choice to the completion
-(entrypoints/ray_serve/call_ledger.py); a call's send is known from Serve's
-_choose_replica_for_request, a private method of Serve's RequestRouter (setup.py pins Serve),
-which handle.remote()'s path awaits for each send. Where no KVRouter is registered (another
-caller of the deployment), or a request carries no prompt blocks, the least loaded replica is
-chosen.
+(entrypoints/ray_serve/call_ledger.py). A call's send is read where handle.remote()'s path
+(Serve's Router._route_and_send_request_once) makes it: the replica Serve's private
+RequestRouter._choose_replica_for_request returned (setup.py pins Serve), once Serve reports a
+send to it (on_send_request, with no await in between; tests/test_ray_router.py checks Serve's
+source for that). Sends through Serve's reservation API (choose_replica, dispatch) are not
+counted, only their choices. Where no KVRouter is registered (another caller of the
+deployment), or a request carries no prompt blocks, the least loaded replica is chosen.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class KVAwareRequestRouter(RequestRouter):
         self._calls = CallLedger()
         self._followed: dict[str, dict | None] = {}  # url -> the events it was followed with
         self._counted: OrderedDict[str, None] = OrderedDict()  # see MAX_COUNTED
+        self._returned: tuple[str, ReplicaID, str] | None = None  # the call Serve is about to send
         # Ties in load go round robin, a turn counter per kind of call (engine proxy's
         # ``ordered``): a request's /tokenize call (no ``prompt_blocks``) comes before each of
         # its generation calls, and one shared counter would give those every other turn only.
@@ -118,17 +121,25 @@ class KVAwareRequestRouter(RequestRouter):
 
     async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
                                           is_retry: bool = False) -> RunningReplica:
-        # Serve's handle.remote() path sends the call to the replica this returns, with no await
-        # in between, and reports that call's completion exactly once.
         replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
-        self._calls.sent(pending_request.metadata.internal_request_id, replica.replica_id,
-                         _kind(pending_request.kwargs))
+        self._returned = (pending_request.metadata.internal_request_id, replica.replica_id,
+                          _kind(pending_request.kwargs))
         return replica
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # handle.remote()'s path: the call just returned for, sent; Serve reports its completion
+        # exactly once. (A broadcast's sends come with nothing returned.)
+        super().on_send_request(replica_id)
+        if self._returned is not None and self._returned[1] == replica_id:
+            self._calls.sent(*self._returned)
+        self._returned = None
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._counted.pop(pending_request.metadata.internal_request_id, None)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._returned is not None and self._returned[:2] == (internal_request_id, replica_id):
+            self._returned = None  # its send failed (Serve reports that call completed instead)
         self._calls.completed(internal_request_id, replica_id)
 
 
