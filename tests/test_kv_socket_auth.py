@@ -3,6 +3,7 @@ producer and consumer, and attackers made of plain zmq DEALERs (``RawPeer``) tha
 protocol but not the deployment secret."""
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -431,17 +432,20 @@ def test_a_consumer_whose_session_was_dropped_reconnects(producer, ctx, monkeypa
         consumer.shutdown()
 
 
-@pytest.mark.parametrize("pull_lost", [False, True], ids=["unsendable", "pull-lost"])
+@pytest.mark.parametrize("pull_lost", [False, True], ids=["closed-when-idle", "pull-lost"])
 def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by_its_deadline(monkeypatch, pull_lost):
     """The consumer keeps its socket to an address; the producer there restarts with
     --kv-encrypt, so zmq's reconnects fail their transport handshake and leave it no connection
-    to queue a pull on (a blocking send would hang the puller for ever). The consumer handshakes
-    afresh, which shows the mismatch: the pull fails as auth, long before its deadline, and the
-    puller goes on serving other producers. ``pull-lost``: the pull was queued all the same (zmq
+    to queue a pull on (a blocking send would hang the puller for ever). The idle puller closes
+    that connection once it sees the failed reconnect, and the pull handshakes afresh, which shows
+    the mismatch: it fails as auth, long before its deadline, and the puller goes on serving
+    other producers. ``pull-lost``: the pull was queued all the same (zmq
     was in the middle of a reconnect when it was sent) and is lost with that connection; the
     failed handshake, seen while the pull waits, fails it as soon."""
     monkeypatch.setattr(p2p_consumer, "NUM_PULLERS", 1)  # one puller: the one that would hang
-    send, broken = p2p_peers.Peer.send, p2p_peers.Peer.broken
+    send, broken, close = p2p_peers.Peer.send, p2p_peers.Peer.broken, p2p_peers.Peer.close
+    closed = []
+    monkeypatch.setattr(p2p_peers.Peer, "close", lambda peer: (closed.append(peer), close(peer))[1])
     port = free_port()
     first = P2PConnectorWorker(ENGINE_ID, FINGERPRINT, "127.0.0.1", port, secret=SECRET)
     first.register_kv_caches(torch.randn(SHAPE))
@@ -456,6 +460,7 @@ def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by
         restarted.register_kv_caches(torch.randn(SHAPE))
         _offer(restarted, "b", list(range(3)))
         time.sleep(1.5)  # zmq reconnects (every 100 ms) and the handshake fails
+        assert bool(closed) != pull_lost, closed  # the puller's connection, closed before any pull
         if pull_lost:
             monkeypatch.setattr(p2p_peers.Peer, "send", lambda peer, msg, patience_s=0.0: True)
         start = time.monotonic()
@@ -477,3 +482,25 @@ def test_a_producer_restarted_with_other_encryption_fails_a_cached_connection_by
         other.shutdown()
         if restarted is not None:
             restarted.shutdown()
+
+
+def test_a_load_that_raises_fails_alone_and_the_puller_goes_on(monkeypatch, producer):
+    """An exception inside one load (zmq out of sockets, a bug) fails that load, reason
+    ``internal``, and the only puller serves the next one."""
+    monkeypatch.setattr(p2p_consumer, "NUM_PULLERS", 1)
+    load_from = p2p_consumer.P2PConsumer._load_from
+
+    def raising_once(self, job, peers):
+        if job.req_id == "boom":
+            raise zmq.ZMQError(errno.EMFILE)
+        return load_from(self, job, peers)
+    monkeypatch.setattr(p2p_consumer.P2PConsumer, "_load_from", raising_once)
+    consumer = _consumer()
+    try:
+        out = _load(consumer, "boom", _tcp(producer), list(range(3)))
+        assert out.failed_recving == {"boom"} and out.failure_reasons["boom"].startswith("internal: ZMQError")
+        _offer(producer, "after", list(range(3)))
+        assert _load(consumer, "after", _tcp(producer), list(range(3))).finished_recving == {"after"}
+        assert consumer.counters["failures"] == {"internal": 1}
+    finally:
+        consumer.shutdown()

@@ -76,7 +76,7 @@ def test_thousands_of_failed_reconnects_of_an_unread_peer_leave_the_context_work
     healthy_server = ctx.socket(zmq.ROUTER)
     client = ctx.socket(zmq.DEALER)
     client.connect(f"tcp://127.0.0.1:{healthy_server.bind_to_random_port('tcp://127.0.0.1')}")
-    time.sleep(6)
+    time.sleep(10)
     client.send(b"still there?")
     assert healthy_server.poll(3000), "the context's I/O thread is stuck"
     failures = 0
@@ -99,10 +99,7 @@ def test_idle_and_least_recently_used_peers_are_closed(ctx, monkeypatch):
     assert peers.get("first") is first  # now the most recently used
     peers.put("third", third)
     assert second.sock.closed and "second" not in peers and "first" in peers and "third" in peers
-    monkeypatch.setattr(p2p_peers, "PEER_IDLE_S", 0.2)
-    time.sleep(0.1)
-    peers.get("third")
-    time.sleep(0.15)
+    first.used -= p2p_peers.PEER_IDLE_S + 1
     peers.tidy()
     assert first.sock.closed and "first" not in peers and "third" in peers
     peers.close()

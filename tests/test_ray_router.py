@@ -131,8 +131,14 @@ def test_generation_calls_count_from_send_to_completion_whatever_serve_does(monk
         assert router._calls.loads(excluding="burst-0") in ({a.replica_id: 1, b.replica_id: 2},
                                                             {a.replica_id: 2, b.replica_id: 1})
         burst_0_on = await sent(_pending("burst-0"))
-        # A replica returned but never sent to (Serve's reservation API) counts as its choice only.
-        await router._choose_replica_for_request(_pending("reserved"))
+        # A replica returned but never sent to (Serve's reservation API) counts as its choice
+        # only, also when another task (a broadcast) next reports a send to that replica.
+        reserved = await router._choose_replica_for_request(_pending("reserved"))
+        assert sum(loads()) == 5
+
+        async def broadcast_send() -> None:
+            router.on_send_request(reserved.replica_id)
+        await asyncio.create_task(broadcast_send())
         assert sum(loads()) == 5
         monkeypatch.setattr(router._calls, "_clock", lambda: time.monotonic() + 10)
         assert loads() == ((1, 0) if burst_0_on == "a" else (0, 1))

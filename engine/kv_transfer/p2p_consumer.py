@@ -142,27 +142,35 @@ class P2PConsumer:
         try:
             for job in queued(self._control, self._stop, idle=peers.tidy):
                 peers.tidy()
-                addr = job.remote_addr
-                if addr not in peers:
-                    if unreachable.get(addr, 0.0) > time.monotonic():
-                        continue
-                    try:
-                        peer, _ = self._connect(addr, time.monotonic() + CONTROL_CONNECT_S)
-                    except zmq.ZMQError:
-                        logger.exception("KV control connection to %s failed", addr)
-                        peer = None
-                    if peer is None:
-                        unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
-                        continue
-                    unreachable.pop(addr, None)
-                    peers.put(addr, peer)
-                kind = Release if isinstance(job, ReleaseSpec) else Renew
-                # Never waits: a peer that takes nothing (gone without a FIN) is dropped.
-                if not peers.get(addr).send(kind(job.remote_request_id, job.token_digest), patience_s=0.0):
-                    peers.drop(addr)
-                    unreachable[addr] = time.monotonic() + UNREACHABLE_SKIP_S
+                try:
+                    sent = self._send_control(job, peers, unreachable)
+                except Exception:  # (a bug): this message is lost, the thread goes on
+                    logger.exception("KV %s to %s failed", type(job).__name__, job.remote_addr)
+                    _mark_unreachable(unreachable, job.remote_addr)
+                    sent = False
+                if not sent:
+                    peers.drop(job.remote_addr)
         finally:
             peers.close()
+
+    def _send_control(self, job: ReleaseSpec | RenewSpec, peers: PeerCache, unreachable: dict[str, float]) -> bool:
+        """Sends a release or renewal; False when its peer took nothing (gone without a FIN)."""
+        addr = job.remote_addr
+        if addr not in peers:
+            if unreachable.get(addr, 0.0) > time.monotonic():
+                return True  # skipped
+            peer, _ = self._connect(addr, time.monotonic() + CONTROL_CONNECT_S)
+            if peer is None:
+                _mark_unreachable(unreachable, addr)
+                return True
+            unreachable.pop(addr, None)
+            peers.put(addr, peer)
+        kind = Release if isinstance(job, ReleaseSpec) else Renew
+        # Never waits: a peer that takes nothing (gone without a FIN) is dropped.
+        if peers.get(addr).send(kind(job.remote_request_id, job.token_digest), patience_s=0.0):
+            return True
+        _mark_unreachable(unreachable, addr)
+        return False
 
     def _connect(self, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
         """An authenticated peer, or an error."""
@@ -366,3 +374,11 @@ class P2PConsumer:
             if isinstance(got, str):
                 return got
             chunk, frames = got
+
+
+def _mark_unreachable(unreachable: dict[str, float], addr: str) -> None:
+    """Skips ``addr`` for UNREACHABLE_SKIP_S; forgets the addresses whose skip is over."""
+    now = time.monotonic()
+    for gone in [a for a, until in unreachable.items() if until <= now]:
+        del unreachable[gone]
+    unreachable[addr] = now + UNREACHABLE_SKIP_S

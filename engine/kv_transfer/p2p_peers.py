@@ -86,6 +86,8 @@ def monitored_socket(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
 def close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
     try:
         sock.disable_monitor()
+    except zmq.ZMQError:
+        pass  # (the context is terminating) closing is what matters
     finally:
         monitor.close(linger=0)
         sock.close(linger=0)

@@ -18,6 +18,7 @@ deployment), or a request carries no prompt blocks, the least loaded replica is 
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 import itertools
 from collections import OrderedDict
@@ -54,7 +55,8 @@ class KVAwareRequestRouter(RequestRouter):
         self._calls = CallLedger()
         self._followed: dict[str, dict | None] = {}  # url -> the events it was followed with
         self._counted: OrderedDict[str, None] = OrderedDict()  # see MAX_COUNTED
-        self._returned: tuple[str, ReplicaID, str] | None = None  # the call Serve is about to send
+        # The call Serve is about to send, and the task that asked for its replica.
+        self._returned: tuple[str, ReplicaID, str, asyncio.Task | None] | None = None
         # Ties in load go round robin, a turn counter per kind of call (engine proxy's
         # ``ordered``): a request's /tokenize call (no ``prompt_blocks``) comes before each of
         # its generation calls, and one shared counter would give those every other turn only.
@@ -123,16 +125,17 @@ class KVAwareRequestRouter(RequestRouter):
                                           is_retry: bool = False) -> RunningReplica:
         replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
         self._returned = (pending_request.metadata.internal_request_id, replica.replica_id,
-                          _kind(pending_request.kwargs))
+                          _kind(pending_request.kwargs), asyncio.current_task())
         return replica
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
-        # handle.remote()'s path: the call just returned for, sent; Serve reports its completion
-        # exactly once. (A broadcast's sends come with nothing returned.)
+        # handle.remote()'s path: the call just returned for, sent by the same task; Serve reports
+        # its completion exactly once. (A broadcast sends from another task, and a reservation's
+        # choice is never reported sent.)
         super().on_send_request(replica_id)
-        if self._returned is not None and self._returned[1] == replica_id:
-            self._calls.sent(*self._returned)
-        self._returned = None
+        returned, self._returned = self._returned, None
+        if returned is not None and returned[1] == replica_id and returned[3] is asyncio.current_task():
+            self._calls.sent(*returned[:3])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._counted.pop(pending_request.metadata.internal_request_id, None)
