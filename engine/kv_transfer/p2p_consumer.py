@@ -38,7 +38,7 @@ from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec, RenewSpec
 from engine.kv_transfer.p2p_peers import Peer, PeerCache, close_monitored, monitored_socket
 from engine.kv_transfer.p2p_wire import (
     FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, Auth, Challenge, Chunk, ChunkLayout, Hello, HelloReply, Pull,
-    Refused, Release, Renew, SessionTag, ShmAck, ShmDone, ShmGrant, WireMessage, curve_keys, decode, encode, proof,
+    Refused, Release, Renew, SessionTag, ShmAck, ShmDone, ShmGrant, curve_keys, decode, encode, proof,
     proof_ok,
 )
 from engine.kv_transfer.secret import KVSecret
@@ -143,34 +143,31 @@ class P2PConsumer:
             for job in queued(self._control, self._stop, idle=peers.tidy):
                 peers.tidy()
                 try:
-                    sent = self._send_control(job, peers, unreachable)
+                    self._send_control(job, peers, unreachable)
                 except Exception:  # (a bug): this message is lost, the thread goes on
                     logger.exception("KV %s to %s failed", type(job).__name__, job.remote_addr)
-                    _mark_unreachable(unreachable, job.remote_addr)
-                    sent = False
-                if not sent:
                     peers.drop(job.remote_addr)
+                    _mark_unreachable(unreachable, job.remote_addr)
         finally:
             peers.close()
 
-    def _send_control(self, job: ReleaseSpec | RenewSpec, peers: PeerCache, unreachable: dict[str, float]) -> bool:
-        """Sends a release or renewal; False when its peer took nothing (gone without a FIN)."""
+    def _send_control(self, job: ReleaseSpec | RenewSpec, peers: PeerCache, unreachable: dict[str, float]) -> None:
+        """Sends a release or renewal, unless its producer is being skipped or cannot be reached."""
         addr = job.remote_addr
         if addr not in peers:
             if unreachable.get(addr, 0.0) > time.monotonic():
-                return True  # skipped
+                return
             peer, _ = self._connect(addr, time.monotonic() + CONTROL_CONNECT_S)
             if peer is None:
                 _mark_unreachable(unreachable, addr)
-                return True
+                return
             unreachable.pop(addr, None)
             peers.put(addr, peer)
         kind = Release if isinstance(job, ReleaseSpec) else Renew
         # Never waits: a peer that takes nothing (gone without a FIN) is dropped.
-        if peers.get(addr).send(kind(job.remote_request_id, job.token_digest), patience_s=0.0):
-            return True
-        _mark_unreachable(unreachable, addr)
-        return False
+        if not peers.get(addr).send(kind(job.remote_request_id, job.token_digest), patience_s=0.0):
+            peers.drop(addr)
+            _mark_unreachable(unreachable, addr)
 
     def _connect(self, addr: str, deadline: float) -> tuple[Peer | None, str | None]:
         """An authenticated peer, or an error."""
@@ -262,6 +259,10 @@ class P2PConsumer:
             if accept(msg):
                 return (msg, frames) if req_id is not None else msg
 
+    def _recv_pulled(self, peer: Peer, job: LoadSpec, accept):
+        """``_recv`` for a pull: by its deadline, unless cancelled or the peer's reconnect fails."""
+        return self._recv(peer.sock, job.deadline, accept, job.req_id, peer.monitor)
+
     def _load(self, job: LoadSpec, peers: PeerCache) -> str | None:
         """Pull one request's KV into its blocks; None on success, else "<reason>: <detail>"."""
         addr = job.remote_addr
@@ -289,8 +290,7 @@ class P2PConsumer:
         if not peer.send(Pull(transfer_id, job.remote_request_id, job.start_block, len(job.block_ids),
                               job.token_digest, shm=peer.kv is not None)):
             return UNSENDABLE
-        got = self._recv(peer.sock, job.deadline, lambda m: getattr(m, "transfer_id", None) == transfer_id,
-                         job.req_id, peer.monitor)
+        got = self._recv_pulled(peer, job, lambda m: getattr(m, "transfer_id", None) == transfer_id)
         if isinstance(got, str):
             return got
         first, frames = got
@@ -329,8 +329,7 @@ class P2PConsumer:
         self._copy_blocks(peer.kv, grant.block_ids, job.block_ids)
         if not peer.send(ShmDone(transfer_id, job.remote_request_id)):
             return "unreachable: our connection to the KV peer went during the copy"
-        got = self._recv(peer.sock, job.deadline, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id,
-                         job.req_id, peer.monitor)
+        got = self._recv_pulled(peer, job, lambda m: isinstance(m, ShmAck) and m.transfer_id == transfer_id)
         if isinstance(got, str):
             return got
         return None if got[0].ok else "timeout: the producer's lease ended during the copy"
@@ -369,8 +368,7 @@ class P2PConsumer:
             if expected_seq == chunk.num_chunks:
                 return None if done_blocks == len(job.block_ids) else (
                     f"frame rejected: got {done_blocks} of {len(job.block_ids)} blocks")
-            got = self._recv(peer.sock, job.deadline, lambda m: isinstance(m, Chunk) and m.transfer_id == transfer_id,
-                             job.req_id, peer.monitor)
+            got = self._recv_pulled(peer, job, lambda m: isinstance(m, Chunk) and m.transfer_id == transfer_id)
             if isinstance(got, str):
                 return got
             chunk, frames = got
