@@ -38,9 +38,9 @@ def test_unavailable_reasons_name_the_problem():
         assert (reason is None) if present else ("not installed (pip install -e .[cuda])" in reason)
     if installed["flash_attn"]:
         assert "float16 or bfloat16" in unavailable_reason("flash_attn", CUDA, torch.float32, 64)
-    assert "unknown attention backend" in unavailable_reason("triton", CUDA, torch.bfloat16, 64)
+    assert "unknown attention backend" in unavailable_reason("tritonx", CUDA, torch.bfloat16, 64)
     with pytest.raises(ValueError, match="attention_backend must be"):
-        EngineConfig(attention_backend="triton")
+        EngineConfig(attention_backend="tritonx")
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=1.5)
 
@@ -54,12 +54,17 @@ def test_cpu_engine_never_imports_the_cuda_extras(tiny_llama):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_gpu_kv_budget():
+def test_gpu_kv_budget_is_this_instances_share_of_the_gpu():
     gib = 2**30
-    # 140 GiB device, 2 GiB in use after loading, 0.9 utilization, 3 GiB of activations.
-    assert cuda_kv_budget(140 * gib, 138 * gib, 0.9, 3 * gib) == int(140 * gib * 0.9) - 2 * gib - 3 * gib
+    # 140 GiB device; this instance holds 2 GiB (weights + context); 3 GiB kept for activations.
+    assert cuda_kv_budget(140 * gib, 138 * gib, 2 * gib, 0.9, 3 * gib) == int(140 * gib * 0.9) - 2 * gib - 3 * gib
+    # Another instance holding 60 GiB of the GPU is not charged to this one's share (two
+    # instances at 0.4 fit one GPU): 0.4 * 140 - 2 - 3 = 51 GiB, and 78 GiB are free.
+    assert cuda_kv_budget(140 * gib, 78 * gib, 2 * gib, 0.4, 3 * gib) == int(140 * gib * 0.4) - 5 * gib
     with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
-        cuda_kv_budget(16 * gib, 4 * gib, 0.8, 1 * gib)  # 12 GiB already in use, 12.8 allowed
+        cuda_kv_budget(16 * gib, 14 * gib, 12 * gib, 0.8, 1 * gib)  # weights alone take the share
+    with pytest.raises(ValueError, match="other processes hold 100.0 GiB"):
+        cuda_kv_budget(140 * gib, 38 * gib, 2 * gib, 0.5, 3 * gib)  # 65 GiB wanted, 38 free
 
 
 def test_fingerprint_records_the_layout_not_the_backend(tiny_llama):

@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.worker import fused_decoder, loader, native
 from engine.worker.backends import select_kernels
 from engine.worker.cpu_linear import onednn_available, pack_linears
+from engine.worker.cuda_graphs import DecodeGraphs, why_not_captured
 from engine.worker.input_batch import InputBatch, RowState
 from engine.worker.models import ModelConfig, model_class
 from engine.worker.quantized import METHODS, pack_modules, quantized_targets, swap_modules, widen_modules
@@ -33,15 +34,26 @@ PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at a t
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cuda_kv_budget(total: int, free: int, utilization: float, activation_bytes: int) -> int:
-    """Bytes for the KV cache on a GPU, vLLM's way: this engine may use ``utilization`` of the
-    device's memory; what is in use already (weights, other processes) and the activation
-    reserve come off that. Raises when nothing is left."""
-    budget = int(total * utilization) - (total - free) - activation_bytes
+CUDA_CONTEXT_BYTES = 512 * 2**20  # this process's CUDA context and library workspaces (outside torch's allocator)
+
+
+def cuda_kv_budget(total: int, free: int, own: int, utilization: float, reserve: int) -> int:
+    """Bytes for the KV cache on a GPU, vLLM's way: this instance may hold ``utilization`` of the
+    device's memory in all; what it holds already (``own``: its weights, as torch's allocator
+    has them, plus its CUDA context) and the ``reserve`` for activations and CUDA graphs come off
+    that. Other processes' memory is not charged to this share, but must leave room for it.
+    Raises, with the numbers, when nothing is left."""
+    budget = int(total * utilization) - own - reserve
+    gib = 2**30
     if budget <= 0:
-        raise ValueError(f"no GPU memory left for the KV cache: {utilization:.0%} of {total / 2**30:.1f} GiB, "
-                         f"{(total - free) / 2**30:.1f} GiB already in use, {activation_bytes / 2**30:.1f} GiB "
-                         "needed for activations; raise --gpu-memory-utilization or free the device")
+        raise ValueError(f"no GPU memory left for the KV cache: this instance may use {utilization:.0%} of "
+                         f"{total / gib:.1f} GiB, and holds {own / gib:.1f} GiB (weights) + {reserve / gib:.1f} GiB "
+                         "kept for activations and CUDA graphs; raise --gpu-memory-utilization")
+    if budget > free - reserve:
+        raise ValueError(f"the KV cache's {budget / gib:.1f} GiB ({utilization:.0%} of {total / gib:.1f} GiB, less "
+                         f"this instance's {own / gib:.1f} GiB) do not fit the {free / gib:.1f} GiB free: other "
+                         f"processes hold {(total - free - own) / gib:.1f} GiB of this GPU; lower "
+                         "--gpu-memory-utilization (or give --kv-cache-memory)")
     return budget
 
 
@@ -77,8 +89,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.model_config = model_config  # parsed once, by the engine
+        cfg = self.model_config
         self.kernels = select_kernels(config.attention_backend, self.device, self.dtype, self.block_size,
-                                      self.model_config.head_dim, self.model_config.attn_softcap)
+                                      cfg.head_dim, cfg.attn_softcap, cfg.num_heads, cfg.num_kv_heads,
+                                      cfg.attention_windows)
         self.backend = self.kernels.attention
 
         start = time.perf_counter()
@@ -110,6 +124,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler()
         self.batch = InputBatch(max_model_len, self.block_size, self.device)
+        self.graphs = self._capture_graphs()
         # Test hooks, only with ENGINE_ALLOW_FAULTS=1. ENGINE_FAULT_FORWARD_AT=N (FAULTS 24): the
         # Nth forward pass and every later one raise (a broken model). ENGINE_FAULT_REQUEST=
         # PREFIX@N: a forward that computes position N of a request whose id contains PREFIX
@@ -120,6 +135,17 @@ class ModelRunner:
         self._fail_request = (prefix, int(position)) if prefix else None
         self._num_forwards = 0
         self.connector_meta_delivered = True
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        why = why_not_captured(self.config, self.device, self.backend.name)
+        if why is not None:
+            if self.device.type == "cuda":
+                logger.info("decode steps run eagerly (no CUDA graphs): %s", why)
+            return None
+        with torch.inference_mode():
+            return DecodeGraphs(self.model, self.kv_caches, self.model_config.attention_windows,
+                                min(self.config.max_capture_size, self.config.max_num_seqs), self.batch.max_blocks,
+                                self.device)
 
     def _quantize(self, model: torch.nn.Module, model_dir: Path):
         """Swaps in the quantized modules the model's weights need (on the meta device) and
@@ -173,11 +199,12 @@ class ModelRunner:
         memory = self.config.cache.kv_cache_memory
         if memory is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            activations = self._activation_bytes()
-            memory = cuda_kv_budget(total, free, self.config.gpu_memory_utilization, activations)
-            logger.info("KV cache budget: %.2f GiB (%.0f%% of %.1f GiB, %.2f GiB in use after loading, "
-                        "%.2f GiB kept for activations)", memory / 2**30, 100 * self.config.gpu_memory_utilization,
-                        total / 2**30, (total - free) / 2**30, activations / 2**30)
+            own = torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
+            reserve = self._activation_bytes() + self._graph_bytes()
+            memory = cuda_kv_budget(total, free, own, self.config.gpu_memory_utilization, reserve)
+            logger.info("KV cache budget: %.2f GiB (%.0f%% of %.1f GiB, less %.2f GiB held by this instance and "
+                        "%.2f GiB kept for activations and CUDA graphs)", memory / 2**30,
+                        100 * self.config.gpu_memory_utilization, total / 2**30, own / 2**30, reserve / 2**30)
         # Transfer staging buffers come out of the same budget: they never grow past it.
         memory = (memory or DEFAULT_CPU_KV_CACHE_MEMORY) - reserved_bytes
         num_blocks = memory // self.bytes_per_block
@@ -195,6 +222,17 @@ class ModelRunner:
         # sampled in float32; prompt_logprobs take PROMPT_LOGPROBS_SLICE positions' logits more
         logits = (self.config.max_num_seqs + PROMPT_LOGPROBS_SLICE) * cfg.vocab_size * 4
         return 2 * (tokens * per_token + logits)
+
+    def _graph_bytes(self) -> int:
+        """A bound on the captured decode graphs' private memory: one forward of the largest
+        captured batch (they share one pool, largest first), with the same slack."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return 0
+        cfg, elem = self.model_config, self.dtype.itemsize
+        rows = min(self.config.max_capture_size, self.config.max_num_seqs)
+        per_token = (3 * cfg.hidden_size + 2 * cfg.intermediate_size
+                     + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * elem
+        return 2 * rows * per_token * 2 + 64 * 2**20
 
     # ---- per-step state ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -223,16 +261,18 @@ class ModelRunner:
 
         batch = self.batch
         inputs = batch.prepare(list(so.num_scheduled_tokens), list(so.num_scheduled_tokens.values()))
-        # One metadata per sliding window the layers use (None: global attention).
-        metas = {window: self.backend.build_metadata(inputs.attention, window)
-                 for window in self.model_config.attention_windows}
-
         self._num_forwards += 1
         if 0 < self._fail_at_forward <= self._num_forwards:
             raise RuntimeError(f"injected failure in forward pass {self._num_forwards} (ENGINE_FAULT_FORWARD_AT)")
         if self._fail_request is not None:
             self._inject_request_fault(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
+        if self.graphs is not None and self.graphs.fits(inputs.attention):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
+        else:
+            # One metadata per sliding window the layers use (None: global attention).
+            metas = {window: self.backend.build_metadata(inputs.attention, window)
+                     for window in self.model_config.attention_windows}
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
 
         rows = inputs.rows
         output.prompt_logprobs = self._prompt_logprobs(hidden, inputs)

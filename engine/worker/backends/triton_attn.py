@@ -1,0 +1,109 @@
+"""The ``triton`` attention backend (CUDA; CPU under Triton's interpreter): paged attention read
+in place through the block table, one kernel launch per layer for the step's whole mixed batch
+(decodes and prefill chunks with cached context alike), and a Triton KV write. The kernels are
+in triton_kernels.py; this file turns a step into their metadata.
+
+The metadata's device tensors are int32 and come from one host→device copy per step. A CUDA
+graph (engine/worker/cuda_graphs.py) instead keeps one ``TritonMetadata`` whose tensors are
+views of persistent buffers it refills before each replay (``graph_metadata``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.worker.attention import StepAttention
+from engine.worker.backends.layout import kv_cache_shape
+
+DECODE_BLOCK_N = 32   # keys per iteration when every query is a decode
+PREFILL_BLOCK_N = 32
+MAX_TILE_ELEMENTS = 64 * 128  # rows x head dim of a tile's float32 accumulator (registers)
+
+
+@dataclass(slots=True)
+class TritonMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64; < 0: write nothing (graph padding)
+    block_table: torch.Tensor   # [num_reqs, max_blocks] int32
+    query_start: torch.Tensor   # [num_reqs + 1] int32
+    seq_lens: torch.Tensor      # [num_reqs] int32
+    tile_req: torch.Tensor      # [num_tiles] int32: the request of each tile
+    tile_q: torch.Tensor        # [num_tiles] int32: the tile's first query within its request
+    block_q: int                # queries per tile
+    block_n: int
+    sliding_window: int | None
+
+
+def prefill_block_q(groups: int, head_dim: int) -> int:
+    """Queries per tile for steps with prefill chunks: as many as keep the tile's rows (queries
+    x group heads) times the head dim within MAX_TILE_ELEMENTS, at most 16."""
+    head_pad = 1 << (head_dim - 1).bit_length()
+    return max(1, min(16, MAX_TILE_ELEMENTS // head_pad // groups))
+
+
+def tile_map(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """(request, first query) of every tile: request r gets ceil(q_len / block_q) tiles."""
+    tiles = -(-query_lens.astype(np.int64) // block_q)
+    req = np.repeat(np.arange(len(query_lens), dtype=np.int32), tiles)
+    first_tile = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    return req, ((np.arange(len(req)) - first_tile) * block_q).astype(np.int32)
+
+
+class TritonBackend:
+    name = "triton"
+    kv_cache_shape = staticmethod(kv_cache_shape)
+
+    def __init__(self, groups: int, head_dim: int) -> None:
+        from engine.worker.backends import triton_kernels  # imports triton: only when selected
+        self._kernels = triton_kernels
+        self.groups = groups
+        self.prefill_block_q = prefill_block_q(groups, head_dim)
+
+    def build_metadata(self, step: StepAttention, sliding_window: int | None) -> TritonMetadata:
+        decode_only = bool((step.query_lens <= 1).all())
+        block_q = 1 if decode_only else self.prefill_block_q
+        tile_req, tile_q = tile_map(step.query_lens, block_q)
+        num_reqs = len(step.query_lens)
+        table = step.block_table
+        # One host->device copy: [query_start | seq_lens | tile_req | tile_q | block_table].
+        packed = np.concatenate([step.query_start, step.seq_lens, tile_req, tile_q, table.ravel()]).astype(np.int32)
+        dev = torch.from_numpy(packed).to(step.device, non_blocking=False)
+        at = np.cumsum([0, num_reqs + 1, num_reqs, len(tile_req), len(tile_q)])
+        return TritonMetadata(
+            step.num_tokens, step.slot_mapping, dev[at[4]:].view(table.shape), dev[at[0]:at[1]], dev[at[1]:at[2]],
+            dev[at[2]:at[3]], dev[at[3]:at[4]], block_q, DECODE_BLOCK_N if decode_only else PREFILL_BLOCK_N,
+            sliding_window)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TritonMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        kernels = self._kernels
+        kernels.write_kv(kv_cache, k.contiguous(), v.contiguous(), meta.slot_mapping)
+        out = torch.empty_like(q)
+        return kernels.paged_attention(q.contiguous(), kv_cache[0], kv_cache[1], out, meta.block_table,
+                                       meta.query_start, meta.seq_lens, meta.tile_req, meta.tile_q, meta.block_q,
+                                       scale, softcap, meta.sliding_window, meta.block_n)
+
+
+def graph_metadata(max_rows: int, max_blocks: int, device: torch.device, windows) -> tuple[dict, dict]:
+    """Persistent buffers for decode graphs of up to ``max_rows`` requests, and ``metas_for(rows)``:
+    the metadata (per window) of a decode step of ``rows`` requests over their leading slices, so
+    a replay sees whatever was copied in last. The graph fills 'slot_mapping' [max_rows] int64,
+    'seq_lens' [max_rows] int32 and 'block_table' [max_rows, max_blocks] int32; 'query_start'
+    (0..max_rows) and the tile map (tile i: request i, query 0) are constant."""
+    buffers = {
+        "slot_mapping": torch.full((max_rows,), -1, dtype=torch.int64, device=device),
+        "seq_lens": torch.zeros(max_rows, dtype=torch.int32, device=device),
+        "block_table": torch.zeros((max_rows, max_blocks), dtype=torch.int32, device=device),
+        "query_start": torch.arange(max_rows + 1, dtype=torch.int32, device=device),
+        "tiles": torch.arange(max_rows, dtype=torch.int32, device=device),
+        "zeros": torch.zeros(max_rows, dtype=torch.int32, device=device),
+    }
+
+    def metas_for(rows: int) -> dict:
+        return {window: TritonMetadata(rows, buffers["slot_mapping"][:rows], buffers["block_table"][:rows],
+                                       buffers["query_start"][:rows + 1], buffers["seq_lens"][:rows],
+                                       buffers["tiles"][:rows], buffers["zeros"][:rows], 1, DECODE_BLOCK_N, window)
+                for window in windows}
+    return buffers, metas_for
