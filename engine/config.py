@@ -147,6 +147,9 @@ class KVTransferConfig:
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch", "flash_attn", "xformers")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # a local directory, a .gguf file or a Hugging Face id
@@ -168,8 +171,13 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # see SchedulerConfig
-    attention_backend: str = "auto"  # auto | cpu | torch | flash_attn | xformers
-    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (CUDA, no kv_cache_memory)
+    attention_backend: str = "auto"  # auto | triton | cpu | torch | flash_attn | xformers
+    # The share of the GPU's memory this instance may hold in all: weights, activations, CUDA
+    # graphs and KV (CUDA; kv_cache_memory, when given, sizes the KV instead).
+    gpu_memory_utilization: float = 0.9
+    # CUDA graphs of decode steps (engine/worker/cuda_graphs.py) off: every step runs eagerly.
+    enforce_eager: bool = False
+    max_capture_size: int = 256  # the largest decode batch captured (at most max_num_seqs)
     kv_transfer_config: KVTransferConfig | None = None
     # KV cache tiers, fastest first: "cpu:4GiB,disk:/var/cache/engine-kv:20GiB,redis://host:6379/0".
     kv_store: str | None = None
@@ -228,9 +236,11 @@ class EngineConfig:
                 self.kv_chunk_tokens % self.block_size:
             raise ValueError(f"kv_chunk_tokens must be a positive multiple of block_size ({self.block_size}), "
                              f"got {self.kv_chunk_tokens!r}")
-        if self.attention_backend not in ("auto", "cpu", "torch", "flash_attn", "xformers"):
-            raise ValueError(f"attention_backend must be auto, cpu, torch, flash_attn or xformers, "
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if not isinstance(self.max_capture_size, int) or self.max_capture_size < 0:
+            raise ValueError(f"max_capture_size must be a non-negative integer, got {self.max_capture_size!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.kv_store_ttl_s, int) or self.kv_store_ttl_s < 1:

@@ -39,13 +39,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "and Q8_0 tensors run as stored on CPUs with the native kernels, dequantized "
                              "elsewhere (gguf: insist on a .gguf)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "flash_attn", "xformers"],
-                        help="paged attention kernels (auto: the fastest installed for the device; cpu: the native "
-                             "CPU kernels built by pip install -e .; torch: the pure-torch reference path; "
-                             "flash_attn and xformers need CUDA and pip install -e .[cuda])")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "triton", "cpu", "torch", "flash_attn", "xformers"],
+                        help="paged attention kernels (auto: the first that passes a start-time probe against "
+                             "the torch reference on this device and dtype: triton, flash_attn, xformers, torch "
+                             "on CUDA; cpu, torch on the CPU. cpu: the native CPU kernels built by pip install "
+                             "-e .; torch: the pure-torch reference path; triton: paged attention in place on "
+                             "CUDA; flash_attn and xformers need pip install -e .[cuda]). A backend named here "
+                             "that fails its probe is refused at start, with the reason")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of GPU memory the engine may use; the KV cache gets what the weights and "
-                             "activations leave (CUDA, when --kv-cache-memory is not given; default 0.9)")
+                        help="the share of the GPU's memory this instance may hold in all (weights, "
+                             "activations, CUDA graphs, KV); the KV cache gets what the rest leave (CUDA, when "
+                             "--kv-cache-memory is not given; default 0.9). Two instances at 0.45 share one GPU")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: decode steps run eagerly too (CUDA; graphs need --attention-backend "
+                             "triton, auto's first choice there)")
+    parser.add_argument("--max-capture-size", type=int, default=256, metavar="N",
+                        help="the largest decode batch captured as a CUDA graph (default 256, at most "
+                             "--max-num-seqs); larger decode batches run eagerly")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--kv-store", default=None, metavar="SPEC",
                         help="KV cache tiers in lookup order, comma-separated: cpu:SIZE, disk:PATH:SIZE, "
@@ -74,6 +85,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                 dtype=args.dtype, quantization=args.quantization, device=args.device, seed=args.seed, kv_store=args.kv_store,
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager, max_capture_size=args.max_capture_size,
                 kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s,
                 kv_secret_file=args.kv_secret_file, cpu_cores=args.cpu_cores, num_threads=args.num_threads)
 
@@ -366,6 +378,13 @@ def cmd_disagg(args: argparse.Namespace) -> int:
             continue
         if key == "enable_prefix_caching":
             engine_args += [] if value else ["--no-enable-prefix-caching"]
+        elif key == "enforce_eager":
+            engine_args += ["--enforce-eager"] if value else []
+        elif key == "gpu_memory_utilization":
+            # The share of a GPU both instances hold: halved when they share one (vLLM's meaning:
+            # each instance's own share, so two at 0.45 fit one GPU at 0.9).
+            shared = args.prefill_gpus == args.decode_gpus
+            engine_args += [flag, str(value / 2 if shared else value)]
         elif value is not None:
             engine_args += [flag, str(value)]
     proxy_args = ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens),
@@ -383,7 +402,8 @@ def cmd_disagg(args: argparse.Namespace) -> int:
         model = str(resolve_model(model, args.revision, args.download_dir))
     return run_disagg(model, args.host, args.port, engine_args, args.prefill_cores, args.decode_cores,
                       proxy_args, core_lending=args.core_lending,
-                      decode_args=["--long-prefill-token-threshold", str(threshold)])
+                      decode_args=["--long-prefill-token-threshold", str(threshold)],
+                      gpus=(args.prefill_gpus, args.decode_gpus))
 
 
 def cmd_ray_serve(args: argparse.Namespace) -> int:
@@ -544,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="cores of the prefill instance (default: the first half of this host's physical cores)")
     dg.add_argument("--decode-cores", default=None, metavar="LIST",
                     help="cores of the decode instance (default: the cores the prefill does not get)")
+    dg.add_argument("--prefill-gpus", default=None, metavar="LIST",
+                    help="CUDA devices of the prefill instance, e.g. 0 or 0,1 (its CUDA_VISIBLE_DEVICES; "
+                         "default: the devices this process sees)")
+    dg.add_argument("--decode-gpus", default=None, metavar="LIST",
+                    help="CUDA devices of the decode instance (default: the devices this process sees). When "
+                         "both instances share a GPU, each gets half of --gpu-memory-utilization")
     add_disagg_policy_args(dg)
     dg.add_argument("--no-core-lending", dest="core_lending", action="store_false",
                     help="keep the decode instance on its own cores even while the prefill instance is idle "

@@ -65,7 +65,8 @@ def core_split(prefill_cores: str | None, decode_cores: str | None) -> tuple[str
 
 def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], prefill_cores: str | None = None,
                decode_cores: str | None = None, proxy_args: list[str] = (), core_lending: bool = True,
-               decode_args: list[str] = ()) -> int:
+               decode_args: list[str] = (), gpus: tuple[str | None, str | None] = (None, None)) -> int:
+    """``gpus``: the CUDA_VISIBLE_DEVICES of the prefill and the decode instance (None: inherited)."""
     engine = [sys.executable, "-m", "entrypoints.cli"]
     p_cores, d_cores = core_split(prefill_cores, decode_cores)
     lending_dir = tempfile.mkdtemp(prefix="engine-cores-")  # private (0700): only our processes steer placement
@@ -85,11 +86,12 @@ def run_disagg(model: str | None, host: str, port: int, engine_args: list[str], 
     p_port, d_port, kv_port = _free_port(), _free_port(), _free_port()
     procs: list[subprocess.Popen] = []
     try:
+        p_env, d_env = ({**env, "CUDA_VISIBLE_DEVICES": g} if g is not None else env for g in gpus)
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(p_port), "--role", "prefill",
                                        "--kv-port", str(kv_port), "--cpu-cores", p_cores, *lend, *engine_args],
-                                      env=env))
+                                      env=p_env))
         procs.append(subprocess.Popen([*engine, "serve", *model_args, "--port", str(d_port), "--role", "decode",
-                                       "--cpu-cores", d_cores, *borrow, *engine_args, *decode_args], env=env))
+                                       "--cpu-cores", d_cores, *borrow, *engine_args, *decode_args], env=d_env))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         wait_healthy(p_url, procs[0])
         wait_healthy(d_url, procs[1])
