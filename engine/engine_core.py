@@ -152,8 +152,9 @@ class EngineCore:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:
-            logger.warning("the KV pool holds %d tokens, less than max_model_len=%d: longer requests are "
-                           "rejected", pool_tokens, self.max_model_len)
+            logger.warning("the KV pool holds %d tokens, less than max_model_len=%d: a request with a longer "
+                           "max_tokens is refused, one without max_tokens ends (\"length\") when its sequence "
+                           "fills the pool", pool_tokens, self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks, config.block_size,
                     self.runner.num_blocks * self.runner.bytes_per_block / 2**30)
         self.last_num_scheduled_tokens = 0
@@ -195,18 +196,31 @@ class EngineCore:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
                 f"contains {num_prompt} input tokens, leaving no room for output.", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        kv = self.kv_cache_manager
+        if params.max_tokens is None:
+            # Unset (vLLM's "up to the context"): the rest of the context, or as far as the whole
+            # pool holds the sequence if that is less. Blocks are allocated as it grows, as for
+            # any request (preempted when the pool runs short); one that fills the whole pool
+            # ends there with finish reason "length", never refused for what it might generate.
+            needed = kv.blocks_needed(num_prompt)
+            if needed > kv.num_blocks:
+                raise InvalidRequestError(
+                    f"the prompt's {num_prompt} tokens need {needed} KV blocks but the whole KV pool has "
+                    f"{kv.num_blocks} blocks of {kv.block_size} tokens", "prompt")
+            return min(self.max_model_len, kv.num_blocks * kv.block_size + 1) - num_prompt
+        max_tokens = params.max_tokens
         if num_prompt + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{max_tokens} output tokens and your prompt contains {num_prompt} input tokens, for a total of "
                 f"{num_prompt + max_tokens} tokens.", "max_tokens")
-        kv = self.kv_cache_manager
         needed = kv.blocks_needed(num_prompt + (0 if hands_off else max_tokens - 1))
         if needed > kv.num_blocks:
             raise InvalidRequestError(
                 f"request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} max tokens) but the whole "
-                f"KV pool has {kv.num_blocks} blocks of {kv.block_size} tokens", "max_tokens")
+                f"KV pool has {kv.num_blocks} blocks of {kv.block_size} tokens: with this prompt at most "
+                f"{max(0, kv.num_blocks * kv.block_size + 1 - num_prompt)} output tokens fit (leave max_tokens "
+                "unset to generate until the pool is full)", "max_tokens")
         return max_tokens
 
     def _check_vocabulary(self, name: str, ids: list[int]) -> None:

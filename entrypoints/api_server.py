@@ -29,6 +29,7 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from entrypoints.metrics import ServerMetrics
 from entrypoints.prompt_inputs import CHAT_ROLES, ContentPartError, message_text
 from entrypoints.protocol import (
+    ENGINE_REQUEST_ID,
     FIRST_TOKENS_SHOWN,
     BodyError,
     ChatCompletionRequest,
@@ -40,7 +41,7 @@ from entrypoints.protocol import (
     UsageInfo,
     document_request_bodies,
     read_json_object,
-    request_id_of,
+    request_ids_of,
     role_choice,
     sse,
     stream_choice,
@@ -254,14 +255,16 @@ class OpenAIServer:
                      chat: bool) -> Response:
         kv_params = self._check_request(request, prompts, params)
         try:
-            request_id = request_id_of(request.request_id, raw.headers.get("x-request-id"), prefix)
+            # The client's id is echoed; the engine's is unique to this request (clients share ids).
+            request_id, engine_id = request_ids_of(request.request_id, raw.headers.get("x-request-id"),
+                                                   raw.headers.get(ENGINE_REQUEST_ID), prefix)
         except BodyError as exc:
             raise APIError(exc.status, exc.message, exc.param) from None
         arrival = time.monotonic()
         streams: list[RequestStream] = []
         try:
             for i, prompt_ids in enumerate(prompts):
-                sub_id = prompt_request_id(request_id, i, len(prompts))
+                sub_id = prompt_request_id(engine_id, i, len(prompts))
                 # A streaming proxy that has shown the first tokens the prefill instance sampled
                 # says so: the stream goes on after them. (Anyone else gets them in the stream.)
                 shown = bool(request.stream) and raw.headers.get(FIRST_TOKENS_SHOWN) == "1"

@@ -21,6 +21,13 @@ MAX_BODY_BYTES = 32 * 2**20
 # Visible ASCII only: a request id is echoed in a response header, written to logs and used as
 # a key, so it can carry no line break, control character or byte a header cannot hold.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
+# The engine's id of a request (request_ids_of): short enough that the ids it fans out into (a
+# prompt list's "-i", n sequences' "i_") stay within what the engine and KV parameters hold (256).
+MAX_ENGINE_REQUEST_ID_LEN = 200
+_ENGINE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_ENGINE_REQUEST_ID_LEN)
+# Header from a front (engine proxy, the Ray ingress) to the instances it sends a request to: the
+# engine request id it made unique for this request, the same on P and D (request_ids_of).
+ENGINE_REQUEST_ID = "X-Engine-Request-Id"
 
 
 # Header from `engine proxy` to a decode instance (engine/kv_transfer/first_token.py).
@@ -121,6 +128,30 @@ def request_id_of(body_value: object, header_value: str | None, prefix: str) -> 
     if not isinstance(value, str) or not _REQUEST_ID.fullmatch(value):
         raise BodyError(400, "request_id (or X-Request-Id) must be 1-256 visible ASCII characters", "request_id")
     return value
+
+
+def request_ids_of(body_value: object, header_value: str | None, engine_header: str | None,
+                   prefix: str) -> tuple[str, str]:
+    """(the id a client is shown, the id the engine knows its request by). The first is the
+    client's own (body request_id, then X-Request-Id), echoed in the response's id and its
+    X-Request-Id header. Clients share ids (gateways and SDKs reuse trace ids across concurrent
+    requests), so the engine's is made unique, as vLLM does: the client's id with a random
+    suffix; or, from a front that sends one request to several instances (engine proxy, the Ray
+    ingress: P and D), the ENGINE_REQUEST_ID header it derived the same way. A new id when the
+    client gave none serves as both."""
+    shown = request_id_of(body_value, header_value, prefix)
+    if engine_header is not None:
+        if not _ENGINE_REQUEST_ID.fullmatch(engine_header):
+            raise BodyError(400, f"{ENGINE_REQUEST_ID} must be 1-{MAX_ENGINE_REQUEST_ID_LEN} visible ASCII "
+                                 "characters", "request_id")
+        return shown, engine_header
+    given = body_value is not None or bool(header_value)
+    return shown, (unique_request_id(shown) if given else shown)
+
+
+def unique_request_id(request_id: str) -> str:
+    """An engine request id of its own for a client's ``request_id`` (which others may share)."""
+    return f"{request_id[:MAX_ENGINE_REQUEST_ID_LEN - 17]}-{uuid.uuid4().hex[:16]}"
 
 
 def random_id(prefix: str) -> str:

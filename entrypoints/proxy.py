@@ -24,7 +24,9 @@ The remote path:
 Either path runs the same model on the same tokens (greedy and seeded outputs agree up to the
 float rounding that another engine's batch or thread count brings). Every upstream call has a deadline; upstream errors reach the client as OpenAI error
 bodies (never an empty 200); a client that disconnects closes the upstream connection, which
-aborts the request there. The same request id travels to P and D (X-Request-Id).
+aborts the request there. The client's request id travels to P and D (X-Request-Id, echoed back), and
+with it one the proxy made unique to the request (X-Engine-Request-Id: clients share ids), which P
+and D both know it by.
 """
 from __future__ import annotations
 
@@ -46,13 +48,14 @@ from prometheus_client.core import CounterMetricFamily
 from entrypoints.kv_paths import TransferPaths
 from entrypoints.kv_router import KVRouter, PromptBlocks
 from entrypoints.protocol import (
+    ENGINE_REQUEST_ID,
     FIRST_TOKENS_SHOWN,
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
     document_request_bodies,
     read_json_object,
-    request_id_of,
+    request_ids_of,
     role_choice,
     sse,
     stream_choice,
@@ -138,12 +141,14 @@ async def read_client_request(raw: Request, id_prefix: str) -> tuple[dict, dict]
     400 for a body that is not a JSON object."""
     try:
         body = await read_json_object(raw)
-        request_id = request_id_of(body.get("request_id"), raw.headers.get("x-request-id"), id_prefix)
+        # The client's id (echoed), and one unique to this request that P and D both know it by.
+        request_id, engine_id = request_ids_of(body.get("request_id"), raw.headers.get("x-request-id"), None,
+                                               id_prefix)
     except BodyError as exc:
         return error_response(exc.status, exc.message, "invalid_request_error", exc.param)
     body["request_id"] = request_id
     body.pop("kv_transfer_params", None)
-    headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+    headers = {"X-Request-Id": request_id, ENGINE_REQUEST_ID: engine_id, "Content-Type": "application/json"}
     if "authorization" in raw.headers:
         headers["Authorization"] = raw.headers["authorization"]
     return body, headers

@@ -132,6 +132,38 @@ def test_32_concurrent_requests(pd, colocated):
     assert [r.choices[0].text for r in results] == expected
 
 
+def test_concurrent_requests_sharing_a_request_id_through_the_proxy(pd, colocated):
+    """Concurrent requests with one X-Request-Id (or body request_id) all go P -> D and are
+    answered, each echoing the client's id: the proxy gives each its own engine request id, the
+    same on P and D (X-Engine-Request-Id)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(40)] for _ in range(4)]
+    expected = [o.outputs[0].text for o in colocated.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            def one(i: int):
+                body = {"prompt": prompts[i], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                        "stream": i == 3}
+                if i % 2:
+                    return http.post(f"{pd.url}/v1/completions", json={**body, "request_id": "trace-7"})
+                return http.post(f"{pd.url}/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
+            return await asyncio.gather(*(one(i) for i in range(4)))
+
+    for i, (resp, want) in enumerate(zip(asyncio.run(run()), expected)):
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-request-id"] == "trace-7"
+        if i == 3:
+            events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+            assert all(e["id"] == "trace-7" for e in events)
+            assert "".join(c["text"] for e in events for c in e["choices"]) == want
+        else:
+            answer = resp.json()
+            assert answer["id"] == "trace-7" and answer["choices"][0]["text"] == want
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 40  # D pulled P's KV
+
+
 def test_prompt_lists_and_n_through_the_proxy(pd, colocated):
     """FAULTS 28: each prompt of a list, and each of n samples, gets its own prompt's KV. (Once,
     every sub-request pulled the first prompt's KV and cached it under its own hashes.)"""

@@ -153,13 +153,34 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, match):
         llm.generate(prompt, params, use_tqdm=False)
 
 
-def test_request_larger_than_pool_is_rejected(tiny_llama):
-    small = LLM(str(tiny_llama), num_blocks=4, block_size=4, max_model_len=512)
-    with pytest.raises(ValueError, match="KV blocks.*whole KV pool has 4"):
+@pytest.fixture(scope="module")
+def small(tiny_llama) -> LLM:
+    """A pool of 16 tokens (4 blocks of 4) under a context of 512."""
+    return LLM(str(tiny_llama), num_blocks=4, block_size=4, max_model_len=512)
+
+
+def test_request_larger_than_pool_is_rejected(small):
+    with pytest.raises(ValueError, match="KV blocks.*whole KV pool has 4.*at most 7 output tokens fit"):
         small.generate([5] * 10, SamplingParams(max_tokens=10), use_tqdm=False)
     # The engine keeps serving requests that fit.
     assert len(small.generate([5] * 4, SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)[0]
                .outputs[0].token_ids) == 4
+    assert_engine_idle(small)
+
+
+def test_unset_max_tokens_grows_until_the_pool_is_full(small):
+    """A request without max_tokens (chat's default) on a pool smaller than the context is
+    admitted, grows block by block and ends ("length") when its sequence fills the whole pool
+    (16 tokens computed, the 17th sampled); two of them preempt each other and both end, each
+    with what it would have generated alone. Only a prompt the pool cannot hold is refused."""
+    unset = SamplingParams(max_tokens=None, **GREEDY)
+    outs = small.generate([[5] * 10, [6] * 3], unset, use_tqdm=False)
+    assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs] == [(7, "length"), (14, "length")]
+    alone = small.generate([[6] * 3], unset, use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == outs[1].outputs[0].token_ids
+    assert small.engine.scheduler.stats.num_preemptions > 0
+    with pytest.raises(ValueError, match="prompt's 17 tokens need 5 KV blocks.*whole KV pool has 4"):
+        small.generate([5] * 17, unset, use_tqdm=False)
     assert_engine_idle(small)
 
 

@@ -336,6 +336,41 @@ def test_fault12_request_bigger_than_pool(server, client):
     assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=3).choices[0].text is not None
 
 
+def test_chat_without_max_tokens_on_a_pool_smaller_than_the_context(server, client):
+    """Chat's default is no max_tokens. The pool (512 tokens) is smaller than the context (1024):
+    the request is served, growing block by block, and ends ("length") when its sequence fills
+    the pool; only an explicit max_tokens that can never fit is refused (fault 12)."""
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me all"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens + resp.usage.completion_tokens == 32 * 16 + 1
+
+
+def test_concurrent_requests_may_share_a_request_id(server, offline):
+    """Gateways and SDKs reuse trace ids: concurrent requests with one X-Request-Id (or body
+    request_id) are all served, each echoing the client's id (the engine's own is unique)."""
+    prompts = [PROMPTS[i] + " (shared id)" for i in range(4)]
+    expected = [o.outputs[0].text for o in offline.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60, headers=server.headers) as http:
+            def one(i: int):
+                body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+                if i % 2:
+                    return http.post(f"{server.url}/v1/completions", json={**body, "request_id": "trace-1"})
+                return http.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": "trace-1"})
+            return await asyncio.gather(*(one(i) for i in range(4)))
+
+    for resp, want in zip(asyncio.run(run()), expected):
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-request-id"] == "trace-1" and resp.json()["id"] == "trace-1"
+        assert resp.json()["choices"][0]["text"] == want
+    # A front's engine request id (X-Engine-Request-Id) is checked as a client's is.
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                      headers={"X-Engine-Request-Id": "x" * 201}), 400, "request_id")
+
+
 # ---- FAULTS.md 13: its own small server ------------------------------------------------
 def test_fault13_flood_beyond_queue_limit(tiny_llama):
     srv = ServerProcess(str(tiny_llama), "--num-blocks", "64", "--max-num-seqs", "1", "--max-queue-len", "2")
