@@ -26,17 +26,13 @@ def _read_vllm_only(name: str, value: object) -> None:
     if name in SINGLE_DEVICE:
         if value != 1 or isinstance(value, bool):
             raise ValueError(f"{name}={value!r}: this engine runs a model on one device; only 1 is supported")
-    elif name == "enforce_eager":
-        # Every step runs eagerly here (no graph capture or torch.compile): True is what happens,
-        # and False, vLLM's default, only allows graphs.
-        _flag(name, value)
     else:  # trust_remote_code
         # Models are this engine's own implementations: a checkpoint's code is never run, and the
         # flag only permits it.
         _flag(name, value)
 
 
-VLLM_ONLY = frozenset(SINGLE_DEVICE + ("enforce_eager", "trust_remote_code"))
+VLLM_ONLY = frozenset(SINGLE_DEVICE + ("trust_remote_code",))
 # EngineConfig fields that only a served engine acts on (engine/core.py): refused offline.
 SERVER_ONLY = frozenset({"kv_events_config", "prefix_caching_hash_algo", "lend_cores_file", "borrow_cores_file"})
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig) if f.init) - {"model"} - SERVER_ONLY

@@ -170,14 +170,15 @@ def test_parse_conversations_keeps_other_message_fields():
 
 def test_vllm_constructor_arguments_are_read_or_refused_by_name():
     assert engine_arguments(dict(tensor_parallel_size=1, enforce_eager=True, trust_remote_code=False,
-                                 max_num_batched_tokens=None, dtype="float", seed=3)) == dict(dtype="float", seed=3)
+                                 max_num_batched_tokens=None, dtype="float", seed=3)) == dict(
+        enforce_eager=True, dtype="float", seed=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         engine_arguments(dict(tensor_parallel_size=2))
     assert engine_arguments(dict(quantization="int8")) == dict(quantization="int8")  # an EngineConfig field
     with pytest.raises(ValueError, match="quantization must be int4, int8 or gguf.*'awq'"):
         EngineConfig(**engine_arguments(dict(quantization="awq")))
-    with pytest.raises(TypeError, match="enforce_eager must be True or False"):
-        engine_arguments(dict(enforce_eager="yes"))
+    with pytest.raises(ValueError, match="enforce_eager must be True or False"):
+        EngineConfig(**engine_arguments(dict(enforce_eager="yes")))
     with pytest.raises(TypeError, match="unsupported argument.*swap_space.*accepted: .*max_model_len"):
         engine_arguments(dict(swap_space=4))
     with pytest.raises(ValueError, match="kv_events_config: only a served engine"):

@@ -25,7 +25,7 @@ from engine.worker.cuda_graphs import DecodeGraphs, why_not_captured
 from engine.worker.input_batch import InputBatch, RowState
 from engine.worker.models import ModelConfig, model_class
 from engine.worker.quantized import METHODS, pack_modules, quantized_targets, swap_modules, widen_modules
-from engine.worker.sampler import Sampler, SamplingMetadata, logprob_entries
+from engine.worker.sampler import NONFINITE, NONFINITE_ERROR, Sampler, SamplingMetadata, logprob_entries
 
 logger = logging.getLogger("engine.worker")
 
@@ -71,10 +71,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA and on CPUs that compute it natively (AVX512-BF16 or AMX, where
+    """``auto``: bfloat16 on GPUs of compute capability 8.0 and up (float16 below, as vLLM: no
+    bfloat16 tensor cores there) and on CPUs that compute it natively (AVX512-BF16 or AMX, where
     it is the faster path by far: half the bytes of weights and KV to read), float32 elsewhere."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or native.cpu_has_native_bf16() else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
+        return torch.bfloat16 if native.cpu_has_native_bf16() else torch.float32
     return _DTYPES[name]
 
 
@@ -292,6 +295,9 @@ class ModelRunner:
                 grammar=self._grammar_rows(so, [s.req_id for s in states])))
             for i, (row, state) in enumerate(zip(rows[sampling], states)):
                 token = sampled.sampled_token_ids[i]
+                if token == NONFINITE:  # no token: the scheduler fails this request alone
+                    output.failed[state.req_id] = NONFINITE_ERROR
+                    continue
                 batch.append_token(int(row), token)
                 output.sampled_token_ids[state.req_id] = token
                 if sampled.logprobs is not None and state.sampling_params.logprobs is not None:
