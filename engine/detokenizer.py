@@ -7,7 +7,9 @@ it shares with the prompt's own decode (a character the prompt's ids end inside 
 output completes is output text; bytes no output completes stay the prompt's, as a
 replacement character). While a request runs, the last
 ``len(longest stop string) - 1`` characters are held back, since they may turn out to be the
-start of a stop string that must not appear in the output.
+start of a stop string that must not appear in the output. Stop strings are matched by one
+automaton per request (engine/stop_strings.py) that scans each character of the text once,
+whatever their number.
 """
 from __future__ import annotations
 
@@ -17,12 +19,16 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStrings
 
 _PROMPT_CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 stop_strings: StopStrings | None = None) -> None:
+        """``stop_strings``: the request's automaton, shared by its sequences (made here from
+        ``params.stop`` when not given)."""
         self.tokenizer = tokenizer
         tail = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
         self.skip_special_tokens = params.skip_special_tokens
@@ -36,6 +42,9 @@ class IncrementalDetokenizer:
         self._prompt_undecided = complete < len(tail)
         self._ended = False  # by a stop string, or flushed at the finish
         self.stop = params.stop
+        if stop_strings is None and self.stop:
+            stop_strings = StopStrings(self.stop)
+        self._stops = stop_strings.matcher() if self.stop else None
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
@@ -56,10 +65,10 @@ class IncrementalDetokenizer:
                 self._rendered = (self._rendered + self._pending)[-_PROMPT_CONTEXT_TOKENS:]
                 self._pending = []
                 self.text += piece
-            if self.stop and self.num_tokens > self.min_tokens:
-                matched = self._check_stop(before)
-                if matched is not None:
-                    return matched
+                if self._stops is not None:
+                    matched = self._check_stop(piece, before)
+                    if matched is not None:
+                        return matched
         return None
 
     def _decode(self, ids: list[int]) -> str:
@@ -71,16 +80,18 @@ class IncrementalDetokenizer:
         before, after = self._decode(self._rendered), self._decode(self._rendered + self._pending)
         return after[len(os.path.commonprefix([after, before])):]
 
-    def _check_stop(self, new_from: int) -> str | None:
-        # Only a window that overlaps the new characters can hold a new match.
-        for stop in self.stop:
-            start = max(0, new_from - len(stop) + 1)
-            index = self.text.find(stop, start)
-            if index != -1:
-                self.text = self.text[:index + len(stop) if self.include_stop else index]
-                self._ended = True
-                return stop
-        return None
+    def _check_stop(self, piece: str, new_from: int) -> str | None:
+        """Scan the new characters (``piece``, from ``new_from`` in the text) for the stop string
+        complete first; before min_tokens tokens, the scan only keeps its place."""
+        found = self._stops.feed(piece, report=self.num_tokens > self.min_tokens)
+        if found is None:
+            return None
+        end, length = found
+        index = new_from + end - length
+        stop = self.text[index:index + length]
+        self.text = self.text[:index + length if self.include_stop else index]
+        self._ended = True
+        return stop
 
     @property
     def num_sent_chars(self) -> int:

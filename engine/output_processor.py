@@ -24,6 +24,7 @@ from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestO
 from engine.request import RequestStatus
 from engine.request_ids import sequence_id
 from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStrings
 
 logger = logging.getLogger("engine")
 
@@ -114,9 +115,11 @@ class OutputProcessor:
             raise InvalidRequestError(f"request id {request_id!r} is in use (as {taken[0]!r}); use a new id",
                                       "request_id")
         sequences = {}  # built whole before anything is registered: a failure leaves nothing
+        stops = StopStrings(params.stop) if params.stop else None  # one automaton for the n sequences
         for index in range(params.n):
             seq_id = sequence_id(request_id, index, params.n)
-            sequences[seq_id] = _Sequence(index, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, stops)
+            sequences[seq_id] = _Sequence(index, detok,
                                           logprobs=[] if params.logprobs is not None else None,
                                           cumulative_logprob=0.0 if params.logprobs is not None else None)
         for seq_id in sequences:
@@ -245,7 +248,10 @@ class OutputProcessor:
             offset = seq.logprob_chars if delta else 0
             delta_text = seq.detok.next_delta(reason is not None)
             text = delta_text if delta else seq.detok.sent_text
-            if delta and not seq.new_token_ids and not text and reason is None:
+            if delta and len(seq.new_token_ids) == seq.token_ids_shown and not text and reason is None:
+                # Nothing the client has not seen: no new tokens, or only first tokens a proxy showed
+                # (they go with the next delta, counted there; a single instance's stream has no
+                # such chunk either).
                 continue
             seq.reported_finish = reason is not None
             outputs.append(CompletionOutput(

@@ -6,12 +6,18 @@ starts with the field name, so the API server can turn it into a 400 with `param
 
 import dataclasses
 import math
+import reprlib
 from dataclasses import dataclass
 from enum import IntEnum
 
 from engine.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+# Stop strings are matched in the front end, on the API server's event loop: at most this many
+# per request, each of at most this many characters (a request over either is refused, as a
+# 400 naming `stop` on the API). 64 x 1024 is far past what clients send (OpenAI's API takes 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024
 MAX_INT = 2**63 - 1  # every int crosses process boundaries as a signed 64-bit msgpack int
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
 GREEDY_EPS = 1e-5
@@ -149,10 +155,16 @@ class SamplingParams:
             return []
         if isinstance(stop, str):
             stop = [stop]
+        if isinstance(stop, (list, tuple)) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+            raise ValueError(f"stop must be a str or a list of str, got {reprlib.repr(stop)}")
         if any(s == "" for s in stop):
             raise ValueError("stop must not contain empty strings")
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_STRING_LEN:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_LEN} characters long, got one of "
+                             f"{longest}")
         return list(stop)
 
     @staticmethod

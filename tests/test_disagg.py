@@ -560,6 +560,37 @@ def test_a_decode_stream_leaves_out_the_first_tokens_only_when_told(pd, colocate
         assert events[-1]["usage"]["completion_tokens"] == 6
 
 
+def _chunks(resp: httpx.Response) -> list[list[tuple[str | None, str | None]]]:
+    """A stream's chunks as (text, finish_reason) per choice (chat: the delta's content)."""
+    assert resp.status_code == 200, resp.text
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    return [[(c["text"] if "text" in c else c["delta"].get("content"), c["finish_reason"]) for c in e["choices"]]
+            for e in events if e.get("choices")]
+
+
+def test_a_p_to_d_stream_has_the_chunks_of_a_single_instance(pd, colocated):
+    """Through P and D, a stream is chunked as a single instance streams it: P's first token
+    in one chunk (shown by the proxy), then D's, one per token. (D's stream once began with a
+    chunk of its own for the first token it was told the client had seen: text "", no
+    finish_reason.) D, asked without kv_transfer_params, is the single instance."""
+    prompt = "Chunk by chunk through the proxy"
+    greedy = colocated.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].text
+    stop = greedy[len(greedy) // 2:][:3]  # found on D, maybe across tokens
+    messages = [{"role": "user", "content": prompt}]
+    cases = [("/v1/completions", {"prompt": prompt, "max_tokens": 10, "ignore_eos": True}),
+             ("/v1/completions", {"prompt": _token_prompts()[2], "max_tokens": 6, "ignore_eos": True}),
+             ("/v1/completions", {"prompt": prompt, "max_tokens": 1}),  # P's first token is the answer
+             ("/v1/completions", {"prompt": prompt, "max_tokens": 10, "ignore_eos": True, "stop": ["zzz", stop]}),
+             ("/v1/chat/completions", {"messages": messages, "max_tokens": 6, "ignore_eos": True})]
+    for path, body in cases:
+        body = {**body, "temperature": 0, "stream": True}
+        want = _chunks(httpx.post(f"{pd.decode.url}{path}", timeout=60, json=body))
+        got = _chunks(httpx.post(f"{pd.url}{path}", timeout=60, json=body))
+        assert want[-1][0][1] in ("length", "stop"), want
+        assert got == want, (path, body)
+
+
 # ---- behind vLLM's routers (issue 28) -------------------------------------------------------
 
 def _vllm_router(pd, path: str, body: dict, stream: bool) -> httpx.Response:

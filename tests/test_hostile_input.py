@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from engine.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from tests.server_utils import ServerProcess
 
 MODEL = "tiny"
@@ -208,9 +209,22 @@ def test_top_logprobs_needs_logprobs(server):
     ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
     ({"prompt": "x", "request_id": "r" * 1000}, "request_id"),
     ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+    # Stop strings are matched on the API server's event loop: bounded in number and length.
+    ({"prompt": "x", "stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+    ({"prompt": "x", "stop": ["s%d" % i for i in range(20_000)]}, "stop"),
+    ({"prompt": "x", "stop": "s" * (MAX_STOP_STRING_LEN + 1)}, "stop"),
+    ({"prompt": "x", "stop": ["ok", "s" * (MAX_STOP_STRING_LEN + 1)]}, "stop"),
 ])
 def test_limits(server, body, param):
     _error(_post(server, "/v1/completions", body), 400, param)
+
+
+def test_stop_strings_at_their_bounds(server):
+    stop = [chr(0x4e00 + i) + "s" * (MAX_STOP_STRING_LEN - 1) for i in range(MAX_STOP_STRINGS)]
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        assert _post(server, path, {**body, "max_tokens": 4, "stop": stop}).status_code == 200
+        _error(_post(server, path, {**body, "max_tokens": 4, "stop": [*stop, "one more"]}), 400, "stop")
 
 
 def test_body_too_large(server):

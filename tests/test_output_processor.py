@@ -131,10 +131,16 @@ def test_a_decode_shows_only_first_tokens_the_proxy_did_not(tokenizer, ending):
                           first_tokens_shown=True)
     finish = "length" if ending == "length" else None
     (out,) = processor.process([EngineCoreOutput("d", first[:1], finish_reason=finish, from_prefill=True)]).outputs
-    text = out.outputs[0].text
     if ending == "continues":
-        assert text == "" and out.outputs[0].finish_reason is None
+        # Nothing new for the client: no chunk (a single instance's stream has none), and the
+        # shown token goes with the next delta, counted in the usage but not shown again.
+        assert out.outputs == []
+        up = ids(tokenizer, " up")
+        (out,) = processor.process([EngineCoreOutput("d", up)]).outputs
+        assert out.outputs[0].token_ids == first + up and out.outputs[0].token_ids_shown == len(first)
+        assert out.outputs[0].text == " up" and out.outputs[0].finish_reason is None
     else:
+        text = out.outputs[0].text
         whole = tokenizer.decode(first[:1])
         assert text == (whole.split("ted")[0] if stop else whole) and text
         assert out.outputs[0].finish_reason == ("stop" if stop else "length")

@@ -2,7 +2,13 @@ import math
 
 import pytest
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+    SamplingType,
+)
 
 
 def test_defaults_match_vllm():
@@ -57,6 +63,9 @@ INVALID = [
     ("stop", ""),
     ("stop", ["ok", ""]),
     ("stop", ["ok", 3]),
+    ("stop", ["s"] * (MAX_STOP_STRINGS + 1)),
+    ("stop", "s" * (MAX_STOP_STRING_LEN + 1)),
+    ("stop", ["ok", "s" * (MAX_STOP_STRING_LEN + 1)]),
     ("stop_token_ids", [1, "2"]),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", [True]),
