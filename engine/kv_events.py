@@ -1,11 +1,19 @@
-"""KV events: an instance's prefix-cache changes, published for routers (vLLM's format).
+"""KV events: an instance's prefix-cache changes, published for routers (vLLM 0.32's format).
 
 Each engine step that changed the prefix cache publishes one ``KVEventBatch`` on a zmq PUB
 socket as three frames: topic, sequence number (8 bytes big-endian, from 0, +1 per batch) and
 the msgpack-encoded batch. ``BlockStored`` names blocks that entered the prefix cache (their
 chained hashes, in order, the parent of the first, their tokens), ``BlockRemoved`` blocks that
-left it (medium GPU; the CPU and disk tiers publish theirs too: kv_transfer/tier_events.py), ``AllBlocksCleared`` everything (always the first batch a publisher sends: a subscriber
-seeing it drops what it knew of this instance, e.g. after a restart). The hashes are those of
+left it (medium GPU; the CPU and disk tiers publish theirs too: kv_transfer/tier_events.py),
+``AllBlocksCleared`` everything (always the first batch a publisher sends: a subscriber
+seeing it drops what it knew of this instance, e.g. after a restart).
+
+The encoding is vLLM 0.32's (``vllm.distributed.kv_events``, the version benchmarks/peer_venv.sh
+installs): the batch is an array ``[ts, events, data_parallel_rank]`` and each event a map
+tagged ``"type": "<class name>"`` whose fields with a default are left out while they hold it.
+Pinned against bytes vLLM's own publisher produced (tests/fixtures/vllm_kv_events/) and checked
+with vLLM's own decoder (tests/test_vllm_kv_events.py). ``decode_batch`` also reads the array
+events of vLLM 0.20, which this engine published before (see there why). The hashes are those of
 engine/block_pool.py (SHA-256 chains from a root derived from the model fingerprint, so anyone
 with the tokens and the fingerprint computes the same ones), or with
 ``--prefix-caching-hash-algo`` vLLM's, as 64-bit integers (engine/vllm_block_hash.py).
@@ -39,23 +47,24 @@ logger = logging.getLogger("engine.kv_events")
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the events (tagged by class name, as vLLM's)."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the events: maps tagged ``type`` = class name, as vLLM 0.32's."""
 
 
-# Where the blocks an event names are. vLLM's name for an instance's own KV pool, whatever its
-# device (a CPU engine's too), and for its CPU offload tier; DISK for the local-disk tier. The
+# Where the blocks an event names are. vLLM's names: GPU for an instance's own KV pool, whatever
+# its device (a CPU engine's too), CPU for its CPU offload tier, STORAGE for the local-disk tier
+# (vLLM 0.32's MEDIUM_STORAGE, what its offloading to disk publishes). The
 # Redis tier publishes nothing: Redis evicts on its own and every instance on it can load its
 # entries, so no instance can say what it holds there.
 MEDIUM = "GPU"
 MEDIUM_CPU = "CPU"
-MEDIUM_DISK = "DISK"
+MEDIUM_DISK = "STORAGE"
 
 BlockHash = Union[bytes, int]  # the engine's 32-byte hashes, or vLLM's as 64-bit integers
 
 
-# The fields in vLLM's order (0.20): a decoder that knows fewer ignores the trailing ones. The
-# first seven are always sent (array_like drops trailing defaults, which older decoders refuse).
+# The fields, names and defaults of vLLM 0.32's, in its order (so the bytes are its bytes): the
+# first seven are always sent, the rest only when set (never, here, but group_idx and extra_keys).
 class BlockStored(KVCacheEvent):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
@@ -67,6 +76,11 @@ class BlockStored(KVCacheEvent):
     # Per block, what vLLM's hash covers besides tokens: (cache_salt,) on a salted first block.
     extra_keys: list[tuple | None] | None = None
     group_idx: int | None = None  # the KV cache group (always 0: one group)
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None  # LOCAL or REMOTE to the publisher (vLLM's offloading)
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 def event_extra_keys(first_block: int, num_blocks: int, cache_salt: str | None) -> list[tuple | None]:
@@ -95,6 +109,8 @@ class BlockRemoved(KVCacheEvent):
     block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -105,6 +121,63 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
     data_parallel_rank: int | None = None
+
+
+# vLLM 0.20's events (this engine's format before): the same fields, as arrays.
+class _LegacyEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class _LegacyBlockStored(_LegacyEvent, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+
+
+class _LegacyBlockRemoved(_LegacyEvent, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _LegacyAllBlocksCleared(_LegacyEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _LegacyBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_LegacyBlockStored, _LegacyBlockRemoved, _LegacyAllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
+_CURRENT = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A published batch (vLLM 0.32's encoding), or msgspec.DecodeError (a ValidationError too).
+
+    Also reads vLLM 0.20's array events, which instances of this engine sent before the switch to
+    0.32's, into the same classes: a router is upgraded before the instances it follows
+    (docs/routing.md), and one that could not read them would count every instance not yet
+    upgraded as holding nothing for the whole rollout. A 0.32 decoder (vLLM's own, llm-d's)
+    reads only the new encoding."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as error:
+        try:
+            legacy = _legacy_decoder.decode(payload)
+        except msgspec.DecodeError:
+            raise error from None
+        events = [_CURRENT[type(e).__name__[len("_Legacy"):]](**msgspec.structs.asdict(e)) for e in legacy.events]
+        return KVEventBatch(legacy.ts, events, legacy.data_parallel_rank)
 
 
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):

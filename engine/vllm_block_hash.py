@@ -1,17 +1,22 @@
 """vLLM's prefix-cache block hashes, for the KV events (``--prefix-caching-hash-algo``).
 
 Routers that index instances by vLLM's block hashes (llm-d's precise prefix-cache scorer and
-others) compute, for a prompt's full blocks of ``block_size`` tokens,
+others) compute, for a prompt's full blocks of ``block_size`` tokens, as vLLM 0.32 does
+(vllm/v1/core/kv_cache_utils.py: init_none_hash, hash_block_tokens,
+generate_block_hash_extra_keys),
 
     h[i] = H((h[i-1], tuple(tokens of block i), extra_keys[i])),   h[-1] = NONE_HASH
 
 where ``H`` is SHA-256 of the tuple's pickle (protocol 5; ``sha256``) or of its canonical CBOR
-(``sha256_cbor``, the one meant for routers not written in Python), ``NONE_HASH`` is
-``H(PYTHONHASHSEED)`` - so every instance and the router must run with the same PYTHONHASHSEED;
-unset, it is 32 random bytes and the hashes match nothing outside the process, as in vLLM - and
-``extra_keys[i]`` is ``(cache_salt,)`` for the first block of a salted request, else None. The
-events carry the low 64 bits of each hash as an unsigned integer (vLLM's default,
-VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
+(``sha256_cbor``, the one meant for routers not written in Python); ``NONE_HASH`` is
+``H(PYTHONHASHSEED)`` when that is set and ``H("vllm-none-hash")`` when it is not (vLLM's fixed
+default seed for these two, cryptographic, algorithms), so every instance and router agrees by
+default, and a deployment that sets PYTHONHASHSEED must set it alike everywhere; and
+``extra_keys[i]`` is ``(("cache_salt", cache_salt),)`` for the first block of a salted request,
+else None (the engine has no LoRA, multimodal or prompt-embeds keys). The events carry the low 64
+bits of each hash as an unsigned integer (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1),
+and the extra keys untagged: ``(cache_salt,)`` (kv_events.event_extra_keys, vLLM's
+to_event_extra_keys). Pinned to hashes real vLLM computed: tests/fixtures/vllm_block_hash/.
 
 These are computed beside the engine's own keys (engine/block_pool.py), never instead of them:
 the engine's keys descend from the model fingerprint and so bind KV to the model, which vLLM's do
@@ -20,14 +25,13 @@ not; the prefix cache, the KV tiers and P->D keep using the engine's.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import pickle
 from typing import Any, Callable
 
-logger = logging.getLogger(__name__)
-
 ALGORITHMS = ("sha256", "sha256_cbor")
+# vLLM's NONE_HASH seed when PYTHONHASHSEED is unset (kv_cache_utils.DEFAULT_NONE_HASH_SEED).
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 
 def _sha256_pickle(value: Any) -> bytes:
@@ -49,12 +53,9 @@ def hash_function(algorithm: str) -> Callable[[Any], bytes]:
 
 
 def none_hash(algorithm: str, seed: str | None) -> bytes:
-    """The parent of every first block: H(seed), or random bytes without a seed."""
-    if seed is None:
-        logger.warning("PYTHONHASHSEED is not set: the KV events' %s block hashes are random per process and "
-                       "match no router's; set it to the same value on every instance and router", algorithm)
-        return os.urandom(32)
-    return hash_function(algorithm)(seed)
+    """The parent of every first block: H(seed), H("vllm-none-hash") without one (PYTHONHASHSEED
+    unset), as vLLM's init_none_hash for these algorithms."""
+    return hash_function(algorithm)(DEFAULT_NONE_HASH_SEED if seed is None else seed)
 
 
 def external(block_hash: bytes) -> int:
@@ -63,7 +64,8 @@ def external(block_hash: bytes) -> int:
 
 
 def extra_keys(block_index: int, cache_salt: str | None) -> tuple | None:
-    return (cache_salt,) if block_index == 0 and cache_salt else None
+    """What vLLM's hash covers besides the tokens (tagged; the events carry ``(cache_salt,)``)."""
+    return (("cache_salt", cache_salt),) if block_index == 0 and cache_salt else None
 
 
 def both_hashes(engine_hasher: Callable, event_hasher: "VllmBlockHasher") -> Callable:
@@ -79,7 +81,7 @@ class VllmBlockHasher:
     request to ``request.event_block_hashes``, in step with its engine hashes."""
 
     def __init__(self, algorithm: str, block_size: int, root: bytes | None = None) -> None:
-        """``root``: NONE_HASH, as an instance reports it; None: this process's, from PYTHONHASHSEED."""
+        """``root``: NONE_HASH, as an instance reports it; None: vLLM's, from PYTHONHASHSEED or its default."""
         self.algorithm, self.block_size = algorithm, block_size
         self._hash = hash_function(algorithm)
         self.none_hash = root if root is not None else none_hash(algorithm, os.environ.get("PYTHONHASHSEED"))

@@ -319,9 +319,10 @@ class OpenAIServer:
         """Where this instance publishes KV events, and what a router needs to compute the block
         hashes they name: the hash algorithm ("engine": engine/block_pool.py's, or vLLM's:
         engine/vllm_block_hash.py), the block size and, for the engine's, the root hash (the
-        parent of every first block). vLLM's root is H(PYTHONHASHSEED), which the router must
-        share: never shown (from it the seed, a small number, is found by trying them all, and
-        with it the process's string-hash randomization is gone)."""
+        parent of every first block). vLLM's root is H(PYTHONHASHSEED), or H("vllm-none-hash")
+        when that is unset (as vLLM 0.32), which the router computes alike: never shown (with a
+        seed set, the seed, a small number, is found from it by trying them all, and with it the
+        process's string-hash randomization is gone)."""
         config, info = self.client.config, self.client.info
         events = config.kv_events_config
         if events is None or info is None:

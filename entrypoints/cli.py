@@ -507,9 +507,10 @@ def main(argv: list[str] | None = None) -> int:
                           "two ports of --host this instance chooses; /status shows them (off loopback: needs the "
                           "deployment secret)")
     srv.add_argument("--prefix-caching-hash-algo", default=None, choices=["sha256", "sha256_cbor"],
-                     help="name the KV events' blocks by vLLM's hashes (64-bit, rooted at PYTHONHASHSEED, which every "
-                          "instance and router must share) instead of the engine's own, for routers that compute "
-                          "vLLM's (llm-d's precise prefix-cache scorer: sha256_cbor)")
+                     help="name the KV events' blocks by vLLM 0.32's hashes (64-bit, rooted as vLLM roots them: at "
+                          "PYTHONHASHSEED if set, which every instance and router must then share, else at vLLM's "
+                          "fixed default) instead of the engine's own, for routers that compute vLLM's (llm-d's "
+                          "precise prefix-cache scorer: sha256_cbor)")
     srv.add_argument("--kv-events-config", default=None, metavar="JSON",
                      help='publish prefix-cache changes for routers, vLLM-style: {"enable_kv_cache_events": true, '
                           '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", '

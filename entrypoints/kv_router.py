@@ -47,6 +47,7 @@ from engine.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    decode_batch,
     endpoint_host,
     event_keys,
 )
@@ -114,7 +115,8 @@ class EventSubscriber(threading.Thread):
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.ctx = zmq.Context()
         self._stop_event = threading.Event()
-        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        # vLLM 0.32's encoding, and 0.20's that instances not yet upgraded send (kv_events.py).
+        self.decode = decode_batch
 
     def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -161,7 +163,7 @@ class EventSubscriber(threading.Thread):
                     continue
                 seq = int.from_bytes(frames[1], "big")
                 try:
-                    batch = self.decoder.decode(frames[2])
+                    batch = self.decode(frames[2])
                 except msgspec.DecodeError:
                     logger.warning("undecodable KV event batch from %s", self.index.url)
                     continue
@@ -187,7 +189,9 @@ class EventSubscriber(threading.Thread):
         """Apply the buffered batches from ``first`` (up to ``until``). When the instance no
         longer has ``first``, its index starts over with what it still has."""
         replay = self.replay
-        # The publisher stops at ``until`` (its 8 extra bytes; a vLLM publisher ignores them).
+        # The publisher stops at ``until`` (its 8 extra bytes; this engine's publisher only: vLLM
+        # 0.32's would read all 16 as the start and replay nothing, but the router follows only
+        # instances of this engine, whose /status names the endpoints).
         request = first.to_bytes(8, "big") + (until.to_bytes(8, "big") if until is not None else b"")
         # zmq has nowhere to queue the request while the connection is down after a failed
         # transport handshake (an instance holding another secret): a blocking send would hang.
@@ -212,7 +216,7 @@ class EventSubscriber(threading.Thread):
                 self.index.reset()
             expected, received = seq + 1, True
             try:
-                self.index.apply(seq, self.decoder.decode(frames[2]))
+                self.index.apply(seq, self.decode(frames[2]))
             except msgspec.DecodeError:
                 self.index.reset()
         logger.warning("KV events of %s: no complete answer from the replay socket", self.index.url)
@@ -251,7 +255,7 @@ class PromptBlocks:
 
 def hasher_key(events_info: dict) -> tuple:
     """What determines the hashes an instance's events name: algorithm, block size, root (the
-    engine's; vLLM's comes from the PYTHONHASHSEED the router shares with the instances)."""
+    engine's; vLLM's is H(PYTHONHASHSEED), or vLLM's fixed default when unset, here as there)."""
     algo = events_info.get("hash_algo", "engine")
     root = events_info["root_block_hash"] if algo == "engine" else None
     return (algo, int(events_info["block_size"]), root)

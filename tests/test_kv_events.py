@@ -32,14 +32,16 @@ from engine.sampling_params import SamplingParams
 from tests.server_utils import REPO, ServerProcess, free_port
 
 
-# The subscriber's types of vLLM's examples/online_serving/kv_events_subscriber.py, with our
-# hashes (bytes where vLLM's example has int): what a vLLM-format consumer decodes.
+# A consumer's types in vLLM 0.32's shape (the batch an array, each event a map tagged "type"),
+# knowing only the fields of vLLM's examples/online_serving/kv_events_subscriber.py and with our
+# hashes (bytes where vLLM's example has int): a consumer that knows fewer fields ignores the
+# rest. (tests/test_vllm_kv_events.py holds the engine to vLLM's own bytes and decoder.)
 class _EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
 
 
-class _KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -105,13 +107,20 @@ def test_block_pool_names_blocks_by_event_hashes_when_given():
     assert pool._event_names == {}  # nothing kept for blocks no longer cached
 
 
-def test_wire_format_is_vllm_0_20s_field_order():
-    """The positions a vLLM 0.20 decoder (and Dynamo's, which reads them by position) expects."""
+def test_wire_format_is_vllm_0_32s_tagged_maps():
+    """vLLM 0.32's shape: the batch an array, each event a map tagged "type" with its fields in
+    vLLM's order, those with a default left out while they hold it (the proof against vLLM's
+    own bytes and decoder: tests/test_vllm_kv_events.py)."""
     event = BlockStored([7], 6, [1, 2], 2, None, "GPU", None, [("s",)], 0)
-    batch = KVEventBatch(1.0, [event, BlockRemoved([7], "GPU", 0)], data_parallel_rank=0)
+    batch = KVEventBatch(1.0, [event, BlockRemoved([7], "GPU", 0), AllBlocksCleared()], data_parallel_rank=0)
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
-    assert raw == [1.0, [["BlockStored", [7], 6, [1, 2], 2, None, "GPU", None, [["s"]], 0],
-                         ["BlockRemoved", [7], "GPU", 0]], 0]
+    assert raw == [1.0, [{"type": "BlockStored", "block_hashes": [7], "parent_block_hash": 6, "token_ids": [1, 2],
+                          "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None,
+                          "extra_keys": [["s"]], "group_idx": 0},
+                         {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0},
+                         {"type": "AllBlocksCleared"}], 0]
+    assert list(raw[1][0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                               "medium", "lora_name", "extra_keys", "group_idx"]
 
 
 def test_wire_format_decodes_as_vllms():
@@ -217,8 +226,9 @@ def test_a_server_publishes_what_it_caches_and_evicts_and_replays_gaps(tiny_llam
         server.stop()
 
 
-class _BlockStored020(_KVCacheEvent, tag="BlockStored"):
-    """vLLM 0.20's BlockStored, int hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, its default)."""
+class _BlockStored032(_KVCacheEvent, tag="BlockStored"):
+    """vLLM 0.32's BlockStored as far as the engine sets it, int hashes
+    (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, its default)."""
     block_hashes: list[int]
     parent_block_hash: Optional[int]
     token_ids: list[int]
@@ -230,53 +240,54 @@ class _BlockStored020(_KVCacheEvent, tag="BlockStored"):
     group_idx: Optional[int] = None
 
 
-class _BlockRemoved020(_KVCacheEvent, tag="BlockRemoved"):
+class _BlockRemoved032(_KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: Optional[str]
     group_idx: Optional[int] = None
 
 
-class _KVEventBatch020(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class _KVEventBatch032(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[Union[_BlockStored020, _BlockRemoved020, _AllBlocksCleared]]
+    events: list[Union[_BlockStored032, _BlockRemoved032, _AllBlocksCleared]]
     data_parallel_rank: Optional[int] = None
 
 
 def vllm_subscriber(server: ServerProcess) -> _Subscriber:
     """A subscriber of an instance started with --kv-events (ports from its /status), decoding
-    vLLM 0.20's events with integer hashes."""
+    vLLM 0.32's events with integer hashes."""
     info = server.status()["kv_events"]
     sub = _Subscriber(*(int(info[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint")))
-    sub.decoder = msgspec.msgpack.Decoder(_KVEventBatch020)
+    sub.decoder = msgspec.msgpack.Decoder(_KVEventBatch032)
     return sub
 
 
 def test_kv_events_with_vllm_hashes_match_what_a_router_computes(tiny_llama, monkeypatch):
     """--kv-events (ports the instance chooses, shown in /status) with --prefix-caching-hash-algo
-    sha256_cbor: every block the events announce is one a router computes from the prompt with
-    vLLM's algorithm and the shared PYTHONHASHSEED, salted requests included; and engine proxy's
-    router, following the same /status, predicts the hit."""
+    sha256_cbor and PYTHONHASHSEED unset (vLLM's fixed root, H("vllm-none-hash")): every block the
+    events announce is one a router computes from the prompt with vLLM's algorithm, salted
+    requests included; and engine proxy's router, following the same /status, predicts the hit.
+    (The hasher itself is held to hashes real vLLM computed: tests/test_vllm_block_hash.py.)"""
+    from engine.vllm_block_hash import VllmBlockHasher
     from entrypoints.kv_router import KVRouter
-    from tests.test_vllm_block_hash import _reference
 
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # neither the instance nor the router has one
     server = ServerProcess(str(tiny_llama), "--num-blocks", "32", "--max-model-len", "256", "--kv-events",
-                           "--prefix-caching-hash-algo", "sha256_cbor", env={"PYTHONHASHSEED": "0"})
+                           "--prefix-caching-hash-algo", "sha256_cbor")
     info = server.status()["kv_events"]
-    # vLLM's root is H(PYTHONHASHSEED): never shown (the seed would be found from it).
+    # vLLM's root is never shown (with PYTHONHASHSEED set, the seed would be found from it).
     assert info["hash_algo"] == "sha256_cbor" and info["block_size"] == 16 and info["root_block_hash"] is None
     sub = vllm_subscriber(server)
     router = KVRouter()
     try:
-        monkeypatch.setenv("PYTHONHASHSEED", "0")  # the router shares the instances' seed
         router.watch(server.url, info)
         assert sub.replayed(0)  # connected: the start-up batch
         prompts = {None: list(range(300, 350)), "tenant-a": list(range(300, 350))}  # 3 full blocks each
         for salt, prompt in prompts.items():
             body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
             assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
-        stored = [e for _, b in sub.live() for e in b.events if isinstance(e, _BlockStored020)]
+        stored = [e for _, b in sub.live() for e in b.events if isinstance(e, _BlockStored032)]
         announced = [h for e in stored for h in e.block_hashes]
-        expected = [h for salt, p in prompts.items() for h in _reference("sha256_cbor", "0", p, 16, salt)]
+        expected = [h for salt, p in prompts.items() for h in VllmBlockHasher("sha256_cbor", 16).prompt_hashes(p, salt)]
         assert announced == expected
         assert [e.extra_keys for e in stored] == [[None, None, None], [("tenant-a",), None, None]]
         assert all(e.medium == "GPU" and e.group_idx == 0 for e in stored)

@@ -72,7 +72,7 @@ def test_overlapping_chunks_announce_each_block_once_and_remove_it_with_the_last
     cpu_stored = [e for e in batch if e.medium == "CPU"]
     assert [(e.block_hashes, e.parent_block_hash) for e in cpu_stored] == [([b"p0", b"p1"], None),
                                                                            ([b"p2", b"p3"], b"p1")]
-    assert index.held == {"CPU": set(full.names), "DISK": set(full.names)}
+    assert index.held == {"CPU": set(full.names), "STORAGE": set(full.names)}
     # Two more chunks evict both from the 2-chunk CPU tier: the shared blocks go with the last.
     for key in ("x", "y"):
         events.expect(key, _names(key, 0, 4), 1)
@@ -80,7 +80,7 @@ def test_overlapping_chunks_announce_each_block_once_and_remove_it_with_the_last
         events.put_done(key)
     index.apply(events.drain())
     assert index.held["CPU"] == set(_names("x", 0, 4).names) | set(_names("y", 0, 4).names)
-    assert index.held["DISK"] == set(full.names)
+    assert index.held["STORAGE"] == set(full.names)
 
 
 def test_undescribed_entries_are_never_announced_and_descriptions_do_not_outlive_chunks(tmp_path):
@@ -171,7 +171,7 @@ def test_generated_puts_and_evictions_keep_every_subscriber_exact(ops, capacity)
 
 def test_a_server_announces_its_tiers_and_the_router_finds_an_offloaded_prefix(tiny_llama, tmp_path, monkeypatch):
     """--kv-store cpu,disk with --kv-events: the tiers announce a prompt's chunks under the pool's
-    names (medium CPU and DISK, vLLM's hashes with the option); after the pool evicts the prompt,
+    names (medium CPU and STORAGE, vLLM's hashes with the option); after the pool evicts the prompt,
     a router still predicts the prefix; a CPU tier too small for everything removes what it drops."""
     from entrypoints.kv_router import KVRouter
 
@@ -194,26 +194,26 @@ def test_a_server_announces_its_tiers_and_the_router_finds_an_offloaded_prefix(t
         # instance steps once a second).
         by_medium: dict[str, list] = {}
         deadline = time.monotonic() + 10
-        while len(by_medium.get("DISK", ())) < 5 and time.monotonic() < deadline:
+        while len(by_medium.get("STORAGE", ())) < 5 and time.monotonic() < deadline:
             for e in (e for _, b in sub.live(timeout_ms=1000) for e in b.events):
-                if type(e).__name__ == "_BlockStored020":
+                if type(e).__name__ == "_BlockStored032":
                     by_medium.setdefault(e.medium, []).extend(e.block_hashes)
         gpu = by_medium["GPU"]
-        assert len(gpu) == 5 and by_medium["DISK"] == gpu
+        assert len(gpu) == 5 and by_medium["STORAGE"] == gpu
         assert by_medium.get("CPU") and set(by_medium["CPU"]) <= set(gpu)  # what the small CPU tier kept
         # Other prompts push this one out of the 24-block pool (and of the small CPU tier).
         for seed in (1, 2, 3, 4):
             other = {**body, "prompt": [1000 * seed + i for i in range(150)]}
             assert httpx.post(f"{server.url}/v1/completions", json=other, timeout=60).status_code == 200
         later = [e for _, b in sub.live(timeout_ms=2000) for e in b.events]
-        removed = {m: {h for e in later if type(e).__name__ == "_BlockRemoved020" and e.medium == m
+        removed = {m: {h for e in later if type(e).__name__ == "_BlockRemoved032" and e.medium == m
                        for h in e.block_hashes} for m in ("GPU", "CPU")}
         assert set(gpu) <= removed["GPU"] and removed["CPU"], removed
         deadline = time.monotonic() + 10
         index = router.indexes[server.url]
-        while not set(gpu) <= index.tiers.get("DISK", set()) and time.monotonic() < deadline:
+        while not set(gpu) <= index.tiers.get("STORAGE", set()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not set(gpu) & index.hashes and set(gpu) <= index.tiers["DISK"]
+        assert not set(gpu) & index.hashes and set(gpu) <= index.tiers["STORAGE"]
         _, hit = router.choose([types.SimpleNamespace(url=server.url, in_flight=0)], router.prompt_blocks(prompt))
         assert hit == 80
         # And the instance does load it from the disk tier.
