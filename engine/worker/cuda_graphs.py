@@ -65,7 +65,7 @@ class DecodeGraphs:
         self.buffers, self._metas_for = graph_metadata(max_size, max_blocks, device, windows)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(device)[0]
+        held_before = torch.cuda.memory_reserved(device)  # this process's, whatever others allocate meanwhile
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             metas = self._metas_for(size)
@@ -77,7 +77,7 @@ class DecodeGraphs:
             self.graphs[size] = (graph, hidden)
         torch.cuda.synchronize(device)
         logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs, %.2f GiB", len(self.sizes), max_size,
-                    time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(device)[0]) / 2**30)
+                    time.perf_counter() - start, (torch.cuda.memory_reserved(device) - held_before) / 2**30)
 
     def _forward(self, size: int, metas: dict) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, metas)
