@@ -37,6 +37,9 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_model_len: int, block_size: int, device: torch.device, capacity: int = 16) -> None:
+        """``capacity``: rows allocated up front (the scheduler's max_num_seqs: then it never grows).
+        The arrays are np.zeros, whose pages the OS maps only when a row first writes them, so
+        rows and positions never used cost address space, not memory."""
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
         self.max_blocks = -(-max_model_len // block_size)
         self.states: list[RowState] = []
@@ -46,7 +49,7 @@ class InputBatch:
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate for ``capacity`` rows, keeping what the current rows hold."""
         n = len(self.states)
-        token_ids = np.zeros((capacity, self.max_model_len), dtype=np.int64)
+        token_ids = np.zeros((capacity, self.max_model_len), dtype=np.int32)  # vocabularies fit int32, as vLLM keeps them
         block_table = np.zeros((capacity, self.max_blocks), dtype=np.int32)
         num_tokens = np.zeros(capacity, dtype=np.int64)
         num_computed = np.zeros(capacity, dtype=np.int64)
@@ -131,5 +134,5 @@ class InputBatch:
         slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         step = StepAttention(q_lens, seq_lens, query_start, table, torch.from_numpy(slots).to(self.device), bs,
                              self.device)
-        input_ids = torch.from_numpy(self.token_ids[row_of_token, positions]).to(self.device)
+        input_ids = torch.from_numpy(self.token_ids[row_of_token, positions].astype(np.int64)).to(self.device)
         return StepInputs(input_ids, torch.from_numpy(positions).to(self.device), step, rows)

@@ -126,7 +126,7 @@ class ModelRunner:
         self.connector = connector or NoOpConnectorWorker()
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler()
-        self.batch = InputBatch(max_model_len, self.block_size, self.device)
+        self.batch = InputBatch(max_model_len, self.block_size, self.device, capacity=config.max_num_seqs)
         self.graphs = self._capture_graphs()
         # Test hooks, only with ENGINE_ALLOW_FAULTS=1. ENGINE_FAULT_FORWARD_AT=N (FAULTS 24): the
         # Nth forward pass and every later one raise (a broken model). ENGINE_FAULT_REQUEST=
