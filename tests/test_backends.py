@@ -72,3 +72,10 @@ def test_fingerprint_records_the_layout_not_the_backend(tiny_llama):
     fingerprint = LLM(str(tiny_llama), num_blocks=16).engine.fingerprint
     # A CPU prefill and a flash-attn decode with the same dtype may exchange KV: no backend name.
     assert fingerprint.split(":")[1:] == [f"torch.{AUTO_DTYPE}", "bs16", "[L,2,N,bs,H,D]"]
+
+
+def test_a_kv_tensor_mapped_from_a_file_is_host_memory_only(tmp_path):
+    from engine.kv_transfer.base import allocate_kv_tensor
+    with pytest.raises(ValueError, match="host memory, not on cuda"):
+        allocate_kv_tensor((2, 4), torch.float32, CUDA, str(tmp_path / "kv"))
+    assert allocate_kv_tensor((2, 4), torch.float32, CPU, str(tmp_path / "kv")).sum() == 0

@@ -159,7 +159,10 @@ class KVConnectorScheduler(ABC):
 def allocate_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                        path: str | None = None) -> torch.Tensor:
     """The zero-filled paged KV tensor (zeroed, not empty: padded attention reads stale but
-    finite values, never NaN), in private memory or mapped from the file at ``path``."""
+    finite values, never NaN), in private memory or mapped from the file at ``path``. A file
+    maps host memory only: asking for one on another device is a bug of the connector."""
+    if path is not None and device.type != "cpu":
+        raise ValueError(f"a KV tensor mapped from a file lives in host memory, not on {device}")
     if path is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = 1
