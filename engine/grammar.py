@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import llguidance.hf
 import numpy as np
+import torch
 
 from engine.structured_output import StructuredOutputsParams
 
@@ -138,6 +139,15 @@ def bitmask_to_bound(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     integer arithmetic on the bit patterns: a select over the vocabulary costs far more."""
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
     return (_NEG_INF_BITS - allowed.astype(np.uint32) * _SIGN_BIT).view(np.float32)
+
+
+def bitmask_to_bound_on_device(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask_to_bound on the bitmask's device (a GPU): the packed [rows, words] int32 mask
+    crosses to the device (4 bytes per 32 tokens, not 4 per token) and is unpacked there."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+    inf = torch.tensor(float("inf"), device=bitmask.device)
+    return torch.where(allowed, inf, -inf)
 
 
 def bitmask_words(vocab_size: int) -> int:

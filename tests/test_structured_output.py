@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.grammar import RequestGrammar, bitmask_to_bound
+from engine.grammar import RequestGrammar, bitmask_to_bound, bitmask_to_bound_on_device
 from engine.ipc import AddRequest
 from engine.structured_output import StructuredOutputsParams as SO
 from engine.worker.sampler import Sampler, SamplingMetadata
@@ -173,6 +173,9 @@ def test_bitmask_becomes_an_exact_upper_bound():
     expected = [[np.inf if (int(words[r, t // 32]) >> (t % 32)) & 1 else -np.inf for t in range(100)]
                 for r in range(3)]
     assert bound.dtype == np.float32 and bound.tolist() == expected
+    # The device path (GPUs: the packed mask crosses, is unpacked there) gives the same bound.
+    on_device = bitmask_to_bound_on_device(torch.from_numpy(bitmask), 100)
+    assert on_device.dtype == torch.float32 and on_device.tolist() == expected
 
 
 def test_sampler_masks_only_the_grammar_rows():

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.grammar import bitmask_to_bound
+from engine.grammar import bitmask_to_bound, bitmask_to_bound_on_device
 from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allocate_kv_tensor
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -361,9 +361,12 @@ class ModelRunner:
         if not pairs:
             return None
         rows, mask_rows = zip(*pairs)
-        bound = bitmask_to_bound(so.grammar_bitmask[list(mask_rows)], self.model_config.vocab_size)
-        return (torch.tensor(rows, dtype=torch.int64, device=self.device),
-                torch.from_numpy(bound).to(self.device))
+        bitmask, vocab = so.grammar_bitmask[list(mask_rows)], self.model_config.vocab_size
+        if self.device.type == "cpu":
+            bound = torch.from_numpy(bitmask_to_bound(bitmask, vocab))
+        else:  # the packed mask crosses to the device, not a [rows, vocab] float32 array
+            bound = bitmask_to_bound_on_device(torch.from_numpy(bitmask).to(self.device), vocab)
+        return torch.tensor(rows, dtype=torch.int64, device=self.device), bound
 
     def _banned_ids(self, state: RowState) -> list[int]:
         """EOS and stop tokens may not end a request before it has min_tokens tokens."""
