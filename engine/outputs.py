@@ -91,6 +91,9 @@ class ModelRunnerOutput:
     # index of the first prompt token these entries are for, one entry per token).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+    # Requests that sampled nothing this step and end with this error (their logits were not
+    # finite: engine/worker/sampler.py); the others in the step go on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):

@@ -21,6 +21,12 @@ MAX_STOP_STRING_LEN = 1024
 MAX_INT = 2**63 - 1  # every int crosses process boundaries as a signed 64-bit msgpack int
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
 GREEDY_EPS = 1e-5
+# Bounds that keep every processed logit finite in float32 (a penalty of 1e-300 is 0 there, and
+# a logit divided by it inf): a request that would leave them is refused, naming the field. (A
+# non-finite row that happens anyway, an fp16 overflow in the model, fails its request alone:
+# engine/worker/sampler.py.)
+MAX_TEMPERATURE = 1e6
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 class SamplingType(IntEnum):
@@ -90,6 +96,8 @@ class SamplingParams:
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be at most {MAX_TEMPERATURE:g}, got {self.temperature}")
         self.top_p = _check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -110,6 +118,9 @@ class SamplingParams:
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                             f"(1 is off), got {self.repetition_penalty}")
 
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")

@@ -404,6 +404,15 @@ class Scheduler:
             token = runner_output.sampled_token_ids.get(req_id)
             if request is not None and req_id in runner_output.prompt_logprobs:
                 request.record_prompt_logprobs(*runner_output.prompt_logprobs[req_id])
+            error = runner_output.failed.get(req_id)
+            if error is not None and request is not None and request.status == RequestStatus.RUNNING:
+                # It sampled nothing (its logits were not finite): it ends, the others go on.
+                logger.warning("request %s: %s", req_id, error)
+                request.status, request.error = RequestStatus.FINISHED_ERROR, error
+                finished_ids.add(req_id)
+                self._free_request(request)
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
+                continue
             if request is None or request.status != RequestStatus.RUNNING or token is None:
                 continue  # ended during the step, or still in the middle of its prefill
             request.append_output_token_id(token)

@@ -184,11 +184,28 @@ def test_unset_max_tokens_grows_until_the_pool_is_full(small):
     assert_engine_idle(small)
 
 
+def test_non_finite_logits_fail_their_request_alone(llm):
+    """A request whose logits are not finite once its parameters are applied (here a penalty
+    that is 0 in float32, set behind SamplingParams' back: it refuses it) samples nothing: it
+    ends with finish reason "error" and says why; the requests in its batch answer as alone."""
+    prompts = ["One request in the batch", "Another one, poisoned", "And a third"]
+    good = SamplingParams(max_tokens=6, **GREEDY)
+    poisoned = good.clone()
+    poisoned.repetition_penalty = 1e-300
+    alone = llm.generate([prompts[0], prompts[2]], good, use_tqdm=False)
+    outs = llm.generate(prompts, [good, poisoned, good], use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error" and outs[1].outputs[0].token_ids == []
+    assert "non-finite logits" in outs[1].error
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [o.outputs[0].token_ids for o in alone]
+    assert all(o.outputs[0].finish_reason == "length" for o in (outs[0], outs[2]))
+
+
 def test_invalid_sampling_params_name_the_field():
     for kwargs, field in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
                           (dict(top_k=-5), "top_k"), (dict(max_tokens=0), "max_tokens"),
                           (dict(n=0), "n"), (dict(stop=[""]), "stop"), (dict(logprobs=99), "logprobs"),
-                          (dict(min_tokens=5, max_tokens=2), "min_tokens")]:
+                          (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+                          (dict(repetition_penalty=1e-300), "repetition_penalty")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
 

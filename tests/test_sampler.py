@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.worker.sampler import Sampler, SamplingMetadata, apply_penalties
+from engine.worker.sampler import NONFINITE, Sampler, SamplingMetadata, apply_penalties
 
 CPU = torch.device("cpu")
 sampler = Sampler()
@@ -36,10 +36,37 @@ def test_greedy_is_argmax_and_takes_the_fast_path():
 def test_the_greedy_fast_path_takes_the_first_of_ties_in_the_model_dtype(dtype):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randint(-2, 3, (40, 300), generator=gen).to(dtype)  # many ties per row
-    logits[3, 7] = float("nan")  # a NaN wins, as in argmax
+    logits[3, 7] = float("nan")  # a row with a NaN samples nothing (test_non_finite_rows_sample_nothing)
     out = sampler(logits, build([SamplingParams(temperature=0)] * 40))
-    assert out.sampled_token_ids == logits.float().argmax(-1).tolist()
-    assert out.sampled_token_ids[3] == 7
+    want = logits.float().argmax(-1).tolist()
+    want[3] = NONFINITE
+    assert out.sampled_token_ids == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["greedy", "penalised", "random", "logprobs"])
+def test_non_finite_rows_sample_nothing(dtype, kind):
+    """A row holding a NaN or a +inf, or nothing but -inf, samples NONFINITE (its request fails
+    alone); the other rows sample as they would without it, -inf tokens (bans) being no fault.
+    On every path: the plain greedy one, penalties, random sampling, logprobs."""
+    logits = random_logits(6, 50, seed=3).to(dtype)
+    logits[1, 4] = float("nan")
+    logits[2, 9] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :10] = float("-inf")  # a masked part: finite enough
+    params = {"greedy": SamplingParams(temperature=0), "penalised": SamplingParams(temperature=0, repetition_penalty=1.5),
+              "random": SamplingParams(temperature=0.7, seed=2), "logprobs": SamplingParams(temperature=0, logprobs=2)}[kind]
+    out = sample(logits, [params] * 6)
+    assert [i for i, t in enumerate(out.sampled_token_ids) if t == NONFINITE] == [1, 2, 3]
+    for i in (0, 4, 5):
+        assert out.sampled_token_ids[i] == sample(logits[i:i + 1], [params]).sampled_token_ids[0]
+    assert out.sampled_token_ids[4] >= 10
+    # A penalty past what float32 holds (refused by SamplingParams; set here behind its back)
+    # divides a logit by 0: that row alone samples nothing.
+    broken = SamplingParams(temperature=0)
+    broken.repetition_penalty = 1e-300
+    out = sample(logits[[0, 5]], [broken, params], prompts=[[1, 2], [1, 2]])
+    assert out.sampled_token_ids[0] == NONFINITE and out.sampled_token_ids[1] != NONFINITE
 
 
 def test_input_logits_are_not_modified():

@@ -32,6 +32,7 @@ INVALID = [
     ("temperature", math.inf),
     ("temperature", "hot"),
     ("temperature", None),
+    ("temperature", 1e308),  # inf in float32: a banned token's -inf / inf is NaN
     ("top_p", 0.0),
     ("top_p", -0.1),
     ("top_p", 1.01),
@@ -55,6 +56,8 @@ INVALID = [
     ("repetition_penalty", -1.0),
     ("repetition_penalty", math.inf),
     ("repetition_penalty", math.nan),
+    ("repetition_penalty", 1e-300),  # 0 in float32: a logit divided by it is inf
+    ("repetition_penalty", 1e7),
     ("seed", 1.5),
     ("seed", "42"),
     ("seed", True),

@@ -225,7 +225,8 @@ def test_fault5_empty_prompt_and_bad_token_ids(server, body):
 
 @pytest.mark.parametrize("field, value", [("temperature", -1), ("temperature", "NaN"), ("top_p", 0), ("top_k", -5),
                                           ("max_tokens", 0), ("n", 0), ("stop", [""]), ("logprobs", 6),
-                                          ("presence_penalty", 5)])
+                                          ("presence_penalty", 5), ("repetition_penalty", 1e-300),
+                                          ("temperature", 1e308)])
 def test_fault6_bad_sampling_params(server, field, value):
     body = {"prompt": "x", "max_tokens": 4, field: value}
     if field == "temperature" and value == "NaN":

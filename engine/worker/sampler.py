@@ -5,6 +5,11 @@ calls `Sampler()(logits, meta)`. Every per-row transform is row-local and is an 
 for a row whose parameter is at its default, so a row's token never depends on which other
 rows share the batch. Seeded rows draw their noise from a generator keyed by (seed, position),
 so a request samples the same tokens after preemption or in any batch.
+
+A row whose logits are not finite once processed (a NaN, a +inf, or no token left that is not
+-inf: an fp16 overflow in the model, a penalty past what float32 holds) samples no token: it
+gets NONFINITE, and the model runner fails that request alone. One reduction per row, read back
+with the tokens (no extra device sync).
 """
 
 from dataclasses import dataclass
@@ -14,6 +19,9 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
+NONFINITE = -1  # a row's token when its logits were not finite (no token is sampled for it)
+NONFINITE_ERROR = ("non-finite logits: the model's scores for this request, with its sampling parameters "
+                   "applied, held NaN or inf (a numeric overflow); no token could be sampled")
 
 
 def generator_seed(seed: int, position: int) -> int:
@@ -140,7 +148,7 @@ def _build_penalties(
 
 @dataclass(slots=True)
 class SamplerOutput:
-    sampled_token_ids: list[int]  # one per row
+    sampled_token_ids: list[int]  # one per row; NONFINITE for a row whose logits were not finite
     # Per row: [(token id, logprob, rank)], the sampled token first, then the row's top
     # `logprobs` tokens in descending order; [] for rows that did not ask. None when no row asked.
     logprobs: list[list[tuple[int, float, int]]] | None
@@ -209,8 +217,11 @@ class Sampler:
             # Widening to float32 is exact and monotone, so the argmax (first of ties) is the same
             # in the model's dtype: no [rows, vocab] float copy for a plain greedy batch. max()'s
             # indices are argmax's (first of ties, NaN wins) and its CPU kernel is vectorized for
-            # bf16/fp16, where argmax's is not (2.7 of a 32 ms bf16 decode step, 32 rows).
-            return SamplerOutput(logits.max(dim=-1).indices.tolist(), None)
+            # bf16/fp16, where argmax's is not (2.7 of a 32 ms bf16 decode step, 32 rows). Its
+            # values say whether the row is finite: NaN and +inf win, -inf is the max only when
+            # every token is -inf.
+            values, indices = logits.max(dim=-1)
+            return SamplerOutput(torch.where(values.isfinite(), indices, NONFINITE).tolist(), None)
         raw = logits.float()
         logits = raw
         if meta.grammar is not None:
@@ -226,14 +237,17 @@ class Sampler:
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
 
+        # Finite rows have a finite max: a NaN or +inf anywhere wins it, and -inf (a ban, a
+        # grammar's mask) is the max only of a row with nothing left to sample.
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            row_max, sampled = logits.max(dim=-1)  # max's indices are argmax's (first of ties)
         else:
+            row_max = logits.amax(dim=-1)
             sampled = self._sample(logits, meta)
             if meta.greedy_mask is not None:
                 sampled = torch.where(meta.greedy_mask, logits.argmax(dim=-1), sampled)
 
-        token_ids = sampled.tolist()
+        token_ids = torch.where(row_max.isfinite(), sampled, NONFINITE).tolist()
         if meta.max_num_logprobs is None:
             return SamplerOutput(token_ids, None)
         return SamplerOutput(token_ids, _gather_logprobs(raw, sampled, meta))
