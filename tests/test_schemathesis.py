@@ -278,7 +278,8 @@ def _hostile(kv_addr: str | None) -> list[tuple[dict, object]]:
         ({"stop_token_ids": [10**12]}, ANY), ({"stop_token_ids": [2**70]}, ANY),
         ({"stop_token_ids": [VOCAB], "min_tokens": 2}, ANY), ({"stop_token_ids": [-1]}, (400, "stop_token_ids")),
         ({"stop_token_ids": list(range(5000)), "min_tokens": 2}, 200),
-        ({"stop": ["a"] * 5000}, 200), ({"stop": "x" * 100_000}, ANY), ({"stop": [""]}, (400, "stop")), ({"stop": "\x00"}, 200),
+        ({"stop": ["a"] * 5000}, (400, "stop")), ({"stop": ["a"] * 64}, 200),  # at most 64 stop strings
+        ({"stop": "x" * 100_000}, (400, "stop")), ({"stop": [""]}, (400, "stop")), ({"stop": "\x00"}, 200),
         ({"prompt": [10**12]}, (400, "prompt")), ({"prompt": [-1]}, (400, "prompt")), ({"prompt": [VOCAB]}, (400, "prompt")),
         ({"prompt": [2**70]}, (400, "prompt")), ({"prompt": [[]]}, (400, "prompt")), ({"prompt": [[1, 2], []]}, (400, "prompt")),
         ({"prompt": []}, (400, "prompt")), ({"prompt": ""}, (400, "prompt")), ({"prompt": [""]}, (400, "prompt")),
