@@ -208,6 +208,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+def _max_first_of_ties(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row max, index of its first occurrence). On the CPU max()'s indices are the first of
+    ties; CUDA's max() promises no particular one (so P->D and batch equality could break at an
+    exact tie), while argmax() returns the first there."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1)
+    return logits.amax(dim=-1), logits.argmax(dim=-1)
+
+
 class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -220,7 +229,7 @@ class Sampler:
             # bf16/fp16, where argmax's is not (2.7 of a 32 ms bf16 decode step, 32 rows). Its
             # values say whether the row is finite: NaN and +inf win, -inf is the max only when
             # every token is -inf.
-            values, indices = logits.max(dim=-1)
+            values, indices = _max_first_of_ties(logits)
             return SamplerOutput(torch.where(values.isfinite(), indices, NONFINITE).tolist(), None)
         raw = logits.float()
         logits = raw
@@ -240,7 +249,7 @@ class Sampler:
         # Finite rows have a finite max: a NaN or +inf anywhere wins it, and -inf (a ban, a
         # grammar's mask) is the max only of a row with nothing left to sample.
         if meta.all_greedy:
-            row_max, sampled = logits.max(dim=-1)  # max's indices are argmax's (first of ties)
+            row_max, sampled = _max_first_of_ties(logits)
         else:
             row_max = logits.amax(dim=-1)
             sampled = self._sample(logits, meta)
