@@ -56,7 +56,7 @@ step() {  # step NAME SECONDS ARGS...: one table, under its own timeout
   echo "($name: exit ${PIPESTATUS[0]}, $((SECONDS - start)) s)"
 }
 [ -d "$MODELS/1b" ] || step models 90 models "$HERE/tokenizer" "$MODELS"
-step kernels 60 kernels
+step kernels 90 kernels
 step correctness 100 correctness "$MODELS/small"
 step throughput 170 throughput "$MODELS/1b"
 step "P->D on one GPU" 100 pd "$MODELS/small"

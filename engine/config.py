@@ -241,7 +241,7 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if not isinstance(self.max_capture_size, int) or self.max_capture_size < 0:
+        if type(self.max_capture_size) is not int or self.max_capture_size < 0:
             raise ValueError(f"max_capture_size must be a non-negative integer, got {self.max_capture_size!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -146,8 +146,7 @@ def bitmask_to_bound_on_device(bitmask: torch.Tensor, vocab_size: int) -> torch.
     crosses to the device (4 bytes per 32 tokens, not 4 per token) and is unpacked there."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
-    inf = torch.tensor(float("inf"), device=bitmask.device)
-    return torch.where(allowed, inf, -inf)
+    return torch.where(allowed, float("inf"), float("-inf"))
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -362,6 +362,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 DISAGG_DECODE_PREFILL_CHUNK = 32
 
 
+def gpus_overlap(prefill: str | None, decode: str | None, inherited: str | None) -> bool:
+    """Whether the prefill and decode instances may land on one GPU: their device lists (None:
+    what this process sees, all of them when CUDA_VISIBLE_DEVICES is unset) share a device."""
+    def devices(spec: str | None) -> set[str] | None:
+        spec = spec if spec is not None else inherited
+        return None if spec is None else {d.strip() for d in spec.split(",") if d.strip()}
+    p, d = devices(prefill), devices(decode)
+    return p is None or d is None or bool(p & d)
+
+
 def cmd_disagg(args: argparse.Namespace) -> int:
     from entrypoints.launcher import run_disagg
 
@@ -383,7 +393,7 @@ def cmd_disagg(args: argparse.Namespace) -> int:
         elif key == "gpu_memory_utilization":
             # The share of a GPU both instances hold: halved when they share one (vLLM's meaning:
             # each instance's own share, so two at 0.45 fit one GPU at 0.9).
-            shared = args.prefill_gpus == args.decode_gpus
+            shared = gpus_overlap(args.prefill_gpus, args.decode_gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
             engine_args += [flag, str(value / 2 if shared else value)]
         elif value is not None:
             engine_args += [flag, str(value)]
@@ -566,11 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     dg.add_argument("--decode-cores", default=None, metavar="LIST",
                     help="cores of the decode instance (default: the cores the prefill does not get)")
     dg.add_argument("--prefill-gpus", default=None, metavar="LIST",
-                    help="CUDA devices of the prefill instance, e.g. 0 or 0,1 (its CUDA_VISIBLE_DEVICES; "
-                         "default: the devices this process sees)")
+                    help="CUDA devices of the prefill instance as the host numbers them, e.g. 0 or 0,1 (its "
+                         "CUDA_VISIBLE_DEVICES; default: the devices this process sees)")
     dg.add_argument("--decode-gpus", default=None, metavar="LIST",
-                    help="CUDA devices of the decode instance (default: the devices this process sees). When "
-                         "both instances share a GPU, each gets half of --gpu-memory-utilization")
+                    help="CUDA devices of the decode instance as the host numbers them (default: the devices "
+                         "this process sees). When the two instances' devices overlap, each gets half of "
+                         "--gpu-memory-utilization")
     add_disagg_policy_args(dg)
     dg.add_argument("--no-core-lending", dest="core_lending", action="store_false",
                     help="keep the decode instance on its own cores even while the prefill instance is idle "

@@ -63,8 +63,12 @@ def test_gpu_kv_budget_is_this_instances_share_of_the_gpu():
     assert cuda_kv_budget(140 * gib, 78 * gib, 2 * gib, 0.4, 3 * gib) == int(140 * gib * 0.4) - 5 * gib
     with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
         cuda_kv_budget(16 * gib, 14 * gib, 12 * gib, 0.8, 1 * gib)  # weights alone take the share
-    with pytest.raises(ValueError, match="other processes hold 100.0 GiB"):
+    with pytest.raises(ValueError, match="other processes hold about 100.0 GiB"):
         cuda_kv_budget(140 * gib, 38 * gib, 2 * gib, 0.5, 3 * gib)  # 65 GiB wanted, 38 free
+    # At a share of 1.0 this process's CUDA context outgrowing its 512 MiB allowance (by 0.3 GiB
+    # here) is no other process: the KV takes what is free instead of refusing to start.
+    free = int(140 * gib - 2 * gib - 0.3 * gib)
+    assert cuda_kv_budget(140 * gib, free, 2 * gib, 1.0, 3 * gib) == free - 3 * gib - 256 * 2**20
 
 
 def test_fingerprint_records_the_layout_not_the_backend(tiny_llama):

@@ -155,7 +155,7 @@ def test_a_backend_that_fails_its_probe_is_skipped_by_auto_and_refused_by_name(m
     monkeypatch.setattr(backends, "unavailable_reason", lambda *a, **k: None)
     with caplog.at_level(logging.INFO, logger="engine.worker"):
         assert select_backend("auto", CPU, torch.float32, 16, 64).name == "torch"
-    why = "probe step raised RuntimeError: No operator found" if broken is _Broken else "differs from the torch"
+    why = "raised RuntimeError: No operator found" if broken is _Broken else "differs from the torch"
     assert any("attention backend cpu skipped" in r.message and why in r.message for r in caplog.records)
     with pytest.raises(ValueError, match=f"--attention-backend cpu: .*{why}"):
         select_backend("cpu", CPU, torch.float32, 16, 64)
@@ -187,3 +187,40 @@ def test_engine_on_triton_equals_engine_on_torch(tiny_llama):
     for (tokens, lps), (want_tokens, want_lps) in zip(results["triton"], results["torch"]):
         assert list(tokens) == list(want_tokens)
         np.testing.assert_allclose(lps, want_lps, atol=1e-4)
+
+
+def test_engine_disagg_halves_the_gpu_share_when_the_instances_may_share_a_device():
+    from entrypoints.cli import gpus_overlap
+    assert gpus_overlap(None, None, None)            # both on whatever this process sees
+    assert gpus_overlap("0", None, None)             # decode inherits every device, GPU 0 among them
+    assert gpus_overlap("0", "0,1", None)
+    assert gpus_overlap(None, "3", "2,3")            # the inherited list holds the decode's device
+    assert not gpus_overlap("0", "1", None)
+    assert not gpus_overlap(None, "1", "0")
+    assert not gpus_overlap("0,1", "2,3", "0,1,2,3")
+
+
+def test_probe_covers_long_contexts_decode_only_steps_and_windows(monkeypatch):
+    """A backend wrong only past the first key block, only in decode-only steps, or only where a
+    window cuts the context, must fail the probe (a probe of short mixed steps passed them all)."""
+    from engine.worker.backends.probe import probe_failure
+
+    class FirstKeysOnly(TritonBackend):  # reads at most 32 keys of each request
+        def build_metadata(self, step, window):
+            meta = super().build_metadata(step, window)
+            meta.seq_lens = meta.seq_lens.clamp(max=32)
+            return meta
+
+    class NoWindow(TritonBackend):
+        def build_metadata(self, step, window):
+            return super().build_metadata(step, None)
+
+    class WrongDecodes(TritonBackend):
+        def forward(self, q, k, v, kv_cache, meta, scale, softcap=None):
+            out = super().forward(q, k, v, kv_cache, meta, scale, softcap)
+            return out * 0.5 if meta.block_q == 1 else out
+
+    for backend, windows in ((FirstKeysOnly(2, 32), (None,)), (NoWindow(2, 32), (None, 4096)),
+                             (WrongDecodes(2, 32), (None,))):
+        assert probe_failure(backend, 4, 2, 32, 16, CPU, torch.float32, None, windows) is not None, backend
+    assert probe_failure(TritonBackend(2, 32), 4, 2, 32, 16, CPU, torch.float32, None, (None, 4096)) is None

@@ -48,6 +48,9 @@ def why_not_captured(config, device: torch.device, backend_name: str) -> str | N
         return f"the device is {device.type}"
     if config.enforce_eager:
         return "--enforce-eager"
+    transfer = config.kv_transfer_config
+    if transfer is not None and transfer.kv_role == "kv_producer":
+        return "a prefill instance (kv_producer) hands its decodes to the decode instance"
     if backend_name != "triton":
         return f"the {backend_name} attention backend builds host-side metadata per step (graphs need triton)"
     if min(config.max_capture_size, config.max_num_seqs) < 1:

@@ -38,8 +38,9 @@ class StepInputs:
 class InputBatch:
     def __init__(self, max_model_len: int, block_size: int, device: torch.device, capacity: int = 16) -> None:
         """``capacity``: rows allocated up front (the scheduler's max_num_seqs: then it never grows).
-        The arrays are np.zeros, whose pages the OS maps only when a row first writes them, so
-        rows and positions never used cost address space, not memory."""
+        The arrays are np.zeros, mapped by the OS page by page as rows are first written (huge
+        pages of 2 MiB where numpy asks for them): like vLLM's, the token array costs up to
+        rows x max_model_len x 4 bytes once that many rows have been used."""
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
         self.max_blocks = -(-max_model_len // block_size)
         self.states: list[RowState] = []
@@ -94,7 +95,9 @@ class InputBatch:
             moved = self.states[last]
             self.states[row] = moved
             self.row_of[moved.req_id] = row
-            for array in (self.token_ids, self.block_table, self.num_tokens, self.num_computed, self.num_blocks):
+            used = int(self.num_tokens[last])  # a row's tokens past num_tokens are never read
+            self.token_ids[row, :used] = self.token_ids[last, :used]
+            for array in (self.block_table, self.num_tokens, self.num_computed, self.num_blocks):
                 array[row] = array[last]
         self.states.pop()
 

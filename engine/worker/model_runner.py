@@ -49,11 +49,17 @@ def cuda_kv_budget(total: int, free: int, own: int, utilization: float, reserve:
         raise ValueError(f"no GPU memory left for the KV cache: this instance may use {utilization:.0%} of "
                          f"{total / gib:.1f} GiB, and holds {own / gib:.1f} GiB (weights) + {reserve / gib:.1f} GiB "
                          "kept for activations and CUDA graphs; raise --gpu-memory-utilization")
+    others = total - free - own  # other processes, and whatever our own context holds past the allowance
     if budget > free - reserve:
-        raise ValueError(f"the KV cache's {budget / gib:.1f} GiB ({utilization:.0%} of {total / gib:.1f} GiB, less "
-                         f"this instance's {own / gib:.1f} GiB) do not fit the {free / gib:.1f} GiB free: other "
-                         f"processes hold {(total - free - own) / gib:.1f} GiB of this GPU; lower "
-                         "--gpu-memory-utilization (or give --kv-cache-memory)")
+        if others > CUDA_CONTEXT_BYTES:
+            raise ValueError(f"the KV cache's {budget / gib:.1f} GiB ({utilization:.0%} of {total / gib:.1f} GiB, "
+                             f"less this instance's {own / gib:.1f} GiB) do not fit the {free / gib:.1f} GiB free: "
+                             f"other processes hold about {others / gib:.1f} GiB of this GPU; lower "
+                             "--gpu-memory-utilization (or give --kv-cache-memory)")
+        # Only this process's own CUDA context outgrew its allowance (a share near 1.0): what is free.
+        budget = free - reserve - CUDA_CONTEXT_BYTES // 2
+        if budget <= 0:
+            raise ValueError(f"no GPU memory left for the KV cache: {free / gib:.1f} GiB free")
     return budget
 
 
@@ -145,10 +151,15 @@ class ModelRunner:
             if self.device.type == "cuda":
                 logger.info("decode steps run eagerly (no CUDA graphs): %s", why)
             return None
-        with torch.inference_mode():
-            return DecodeGraphs(self.model, self.kv_caches, self.model_config.attention_windows,
-                                min(self.config.max_capture_size, self.config.max_num_seqs), self.batch.max_blocks,
-                                self.device)
+        try:
+            with torch.inference_mode():
+                return DecodeGraphs(self.model, self.kv_caches, self.model_config.attention_windows,
+                                    min(self.config.max_capture_size, self.config.max_num_seqs),
+                                    self.batch.max_blocks, self.device)
+        except Exception:  # an op that cannot be captured: serve eagerly rather than not at all
+            logger.exception("capturing the decode CUDA graphs failed; decode steps run eagerly")
+            torch.cuda.synchronize(self.device)
+            return None
 
     def _quantize(self, model: torch.nn.Module, model_dir: Path):
         """Swaps in the quantized modules the model's weights need (on the meta device) and
@@ -229,7 +240,7 @@ class ModelRunner:
     def _graph_bytes(self) -> int:
         """A bound on the captured decode graphs' private memory: one forward of the largest
         captured batch (they share one pool, largest first), with the same slack."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        if why_not_captured(self.config, self.device, self.backend.name) is not None:
             return 0
         cfg, elem = self.model_config, self.dtype.itemsize
         rows = min(self.config.max_capture_size, self.config.max_num_seqs)

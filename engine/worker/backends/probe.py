@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.attention import StepAttention
-
-PROBE_BLOCK_SIZE_BLOCKS = 8  # blocks in the probe's cache
-# (cached, new) tokens of each probe request: a chunk with context, a decode, a fresh prefill.
-PROBE_REQUESTS = ((5, 3), (20, 1), (0, 7))
+# Two steps of (cached, new) tokens per request: a mixed one (a chunk over context that spans
+# several key blocks and query tiles, a decode, a fresh prefill) and a decode-only one (the
+# shape every pure decode step and CUDA graph runs). Sliding windows are probed at most
+# PROBE_WINDOW wide, so that they cut into these contexts (the window is a runtime argument:
+# the same compiled kernel serves the model's own width).
+PROBE_STEPS = (((70, 40), (45, 1), (0, 7)), ((90, 1), (3, 1), (33, 1)))
+PROBE_WINDOW = 8
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -20,14 +22,27 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def probe_failure(backend, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   device: torch.device, dtype: torch.dtype, softcap: float | None, windows) -> str | None:
-    """Why ``backend`` fails the probe, or None when it matches the torch reference."""
+    """Why ``backend`` fails the probe, or None when it matches the torch reference. A CUDA
+    error is raised, not reported: it leaves the device unusable for any other backend."""
+    for requests in PROBE_STEPS:
+        for window in windows:
+            why = _probe_step(backend, requests, None if window is None else min(window, PROBE_WINDOW), num_heads,
+                              num_kv_heads, head_dim, block_size, device, dtype, softcap)
+            if why is not None:
+                return why
+    return None
+
+
+def _probe_step(backend, requests, window, num_heads, num_kv_heads, head_dim, block_size, device, dtype,
+                softcap) -> str | None:
+    from engine.worker.attention import StepAttention  # (attention imports the backends package)
     from engine.worker.backends.torch_sdpa import TorchSDPABackend
     generator = torch.Generator().manual_seed(0)
-    blocks_per_req = -(-max(c + n for c, n in PROBE_REQUESTS) // block_size)
-    num_blocks = 1 + blocks_per_req * len(PROBE_REQUESTS)  # block 0 unused: padding points there
-    tables = [list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)) for i in range(len(PROBE_REQUESTS))]
-    step, _ = StepAttention.from_lists([n for _, n in PROBE_REQUESTS], [c for c, _ in PROBE_REQUESTS], tables,
-                                       block_size, device)
+    blocks_per_req = -(-max(c + n for c, n in requests) // block_size)
+    num_blocks = 1 + blocks_per_req * len(requests)  # block 0 unused: padding points there
+    tables = [list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)) for i in range(len(requests))]
+    step, _ = StepAttention.from_lists([n for _, n in requests], [c for c, _ in requests], tables, block_size,
+                                       device)
     tokens = step.num_tokens
 
     def rand(*shape):
@@ -38,19 +53,27 @@ def probe_failure(backend, num_heads: int, num_kv_heads: int, head_dim: int, blo
     cache = rand(*TorchSDPABackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
     scale = head_dim ** -0.5
     reference = TorchSDPABackend()
+    shape = f"{'decode' if all(n == 1 for _, n in requests) else 'mixed'} step, window {window}"
     try:
-        for window in windows:
-            want = reference.forward(q, k, v, cache.clone(), reference.build_metadata(step, window), scale, softcap)
-            got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(step, window), scale, softcap)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if got.shape != want.shape:
-                return f"probe step: output shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-            error = (got.float() - want.float()).abs().max().item()
-            if not error <= tolerance(dtype):  # also catches NaN
-                return (f"probe step (window {window}): differs from the torch reference by {error:.3g} "
-                        f"(tolerance {tolerance(dtype):g})")
+        want = reference.forward(q, k, v, cache.clone(), reference.build_metadata(step, window), scale, softcap)
+        got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(step, window), scale, softcap)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     except Exception as exc:  # an extension that does not load, a dtype without kernels, ...
+        if _is_device_fault(exc):
+            raise RuntimeError(f"attention backend {backend.name}'s probe ({shape}) broke the CUDA device; "
+                               f"choose another with --attention-backend: {exc}") from exc
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        return f"probe step raised {type(exc).__name__}: {first_line}"
+        return f"probe ({shape}) raised {type(exc).__name__}: {first_line}"
+    if got.shape != want.shape:
+        return f"probe ({shape}): output shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    error = (got.float() - want.float()).abs().max().item()
+    if not error <= tolerance(dtype):  # also catches NaN
+        return f"probe ({shape}): differs from the torch reference by {error:.3g} (tolerance {tolerance(dtype):g})"
     return None
+
+
+def _is_device_fault(exc: Exception) -> bool:
+    """An illegal address or a device-side assert: the CUDA context is lost (every later call
+    fails), unlike a missing kernel or an unsupported dtype, which raise before launching."""
+    return type(exc).__name__ == "AcceleratorError" or "CUDA error" in str(exc)

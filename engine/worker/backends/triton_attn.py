@@ -79,11 +79,18 @@ class TritonBackend:
                 meta: TritonMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         kernels = self._kernels
-        kernels.write_kv(kv_cache, k.contiguous(), v.contiguous(), meta.slot_mapping)
+        kernels.write_kv(kv_cache, _rows(k), _rows(v), meta.slot_mapping)
+        q = _rows(q)
         out = torch.empty_like(q)
-        return kernels.paged_attention(q.contiguous(), kv_cache[0], kv_cache[1], out, meta.block_table,
+        return kernels.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_table,
                                        meta.query_start, meta.seq_lens, meta.tile_req, meta.tile_q, meta.block_q,
                                        scale, softcap, meta.sliding_window, meta.block_n)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] with each token's heads and dims contiguous, as the kernels
+    read them (any token stride: v is a view into the fused qkv projection, used as it is)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def graph_metadata(max_rows: int, max_blocks: int, device: torch.device, windows) -> tuple[dict, dict]:
