@@ -33,6 +33,9 @@ STATS_INTERVAL_S = 1.0
 # Only waiting on transfers (nothing scheduled): check on them this often instead of spinning.
 WAIT_POLL_MS = 2
 TRIM_INTERVAL_S = 5.0
+# A SIGTERM is the server's to act on; one that reaches the core alone stops it after this long
+# (longer than the server's 10 s drain plus the 10 s it gives the core to stop).
+TERM_GRACE_S = 25.0
 
 
 class EngineCoreProc:
@@ -93,11 +96,13 @@ class EngineCoreProc:
                 self.engine.kv_cache_manager.pool.num_free_blocks)
 
     def stats(self) -> EngineStats:
+        """Built once per step that has output (more often is never needed: see _loop), so it
+        stays a few microseconds, whatever the blocks held requests have (counted, not listed)."""
         scheduler = self.engine.scheduler
         kv = self.engine.kv_cache_manager
         connector = self.engine.drain_kv_connector_stats()
         return EngineStats(
-            kv_blocks_held=sum(len(kv.get_block_ids(r)) for r in scheduler.held),
+            kv_blocks_held=sum(kv.num_blocks_of(r) for r in scheduler.held),
             num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv, num_held=len(scheduler.held),
             num_tracked_requests=self.engine.num_tracked_requests(),
             kv_transfer_bytes=connector.transfer_bytes, kv_transfer_failures=connector.transfer_failures,
@@ -117,7 +122,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
     """Process entry point. Exits when told to, when the parent dies, or when a step fails."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The API server owns Ctrl-C/SIGTERM handling and tells the core to stop over the socket.
+    # A SIGTERM sent to the whole process group (`make serve` stopped, `kill -TERM -PGID`, a
+    # container stop) reaches the core too: dying of it there and then would cut off the
+    # responses the server is draining and skip engine.shutdown(), leaving a prefill's KV
+    # socket file (/tmp/engine-kv-PORT.sock) and shm files behind. So it is only noted: the
+    # core stops when the server says so, when the server is gone, or TERM_GRACE_S later.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    terminated: list[float] = []  # when a SIGTERM came (time.monotonic())
+    signal.signal(signal.SIGTERM, lambda *_: terminated.append(time.monotonic()))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     push = ctx.socket(zmq.PUSH)
@@ -141,7 +153,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
                                             *((core.kv_events.endpoint, core.kv_events.replay_endpoint)
                                               if core.kv_events is not None else ()))))
         try:
-            _loop(core, pull, push, encoder, decoder, parent_pid)
+            _loop(core, pull, push, encoder, decoder, parent_pid, terminated)
         finally:
             if core.kv_events is not None:
                 core.kv_events.shutdown()
@@ -160,7 +172,7 @@ def _malloc_trim() -> None:
         pass
 
 
-def _loop(core: EngineCoreProc, pull, push, encoder, decoder, parent_pid: int) -> None:
+def _loop(core: EngineCoreProc, pull, push, encoder, decoder, parent_pid: int, terminated: list[float]) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     last_stats, last_state, last_trim = 0.0, None, 0.0
@@ -191,6 +203,10 @@ def _loop(core: EngineCoreProc, pull, push, encoder, decoder, parent_pid: int) -
                 return
         if os.getppid() != parent_pid:
             logger.warning("API server process is gone; engine core exiting")
+            return
+        if terminated and time.monotonic() - terminated[0] > TERM_GRACE_S:
+            logger.warning("engine core got SIGTERM and the API server did not stop it in %.0f s; exiting",
+                           TERM_GRACE_S)
             return
         if core.lending is not None:
             # Computing, not merely holding KV for a transfer: only then are the cores in use.

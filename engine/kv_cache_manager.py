@@ -117,6 +117,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def num_blocks_of(self, request_id: str) -> int:
+        """How many blocks the request has, without listing them (the engine core's stats count
+        the blocks of every held request once per step)."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
     def free(self, request: Request) -> None:
         """Release a request's blocks; tail blocks are evicted before the shared prefix."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

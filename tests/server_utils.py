@@ -117,15 +117,19 @@ class ServerProcess:
         self.proc.wait(10)
         self.log.close()
 
-    def terminate(self) -> None:
-        """SIGTERM, once (a second one makes uvicorn skip its graceful shutdown)."""
+    def terminate(self, group: bool = False) -> None:
+        """SIGTERM, once (a second one makes uvicorn skip its graceful shutdown); with ``group``
+        to the engine core too, as a SIGTERM to the process group (`make serve` stopped) has it."""
         if self.proc.poll() is None and not getattr(self, "_terminated", False):
             self.proc.send_signal(signal.SIGTERM)
             self._terminated = True
+            engine_pid = getattr(self, "engine_pid", None)
+            if group and engine_pid is not None:
+                os.kill(engine_pid, signal.SIGTERM)
 
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM, then check that the server and its engine core both exited in time."""
-        self.terminate()
+    def stop(self, timeout: float = 20.0, group: bool = False) -> int:
+        """SIGTERM (``terminate``), then check that the server and its engine core both exited in time."""
+        self.terminate(group)
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

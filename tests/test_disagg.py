@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import socket
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.kv_transfer.p2p import ipc_path
 from engine.kv_transfer.params import KVTransferParams, sign_kv_transfer_params, token_digest
 from engine.kv_transfer.secret import KVSecret
 from tests.disagg_utils import Disagg, ProxyProcess
@@ -295,11 +297,16 @@ def test_prefill_errors_reach_the_client(pd):
 
 def test_lease_expiry_frees_prefill_blocks(tiny_llama):
     """Nobody pulls: the blocks stay held until the lease ends, then come back. (The lease has
-    to outlast only one /status call after the response; the release is polled for.)"""
+    to outlast only one /status call after the response; the release is polled for.) Then a
+    SIGTERM to the server and its engine core at once, as `make serve` stopped by SIGTERM
+    delivers it to the process group: both exit cleanly and the KV server's ipc socket file is
+    gone (the core used to die of the signal, leaving /tmp/engine-kv-PORT.sock behind)."""
     port = free_port()
     srv = ServerProcess(str(tiny_llama), "--num-blocks", "64", "--role", "prefill", "--kv-port", str(port),
                         "--kv-lease-s", "3")
+    socket_file = ipc_path(port).removeprefix("ipc://")
     try:
+        assert os.path.exists(socket_file)
         resp = httpx.post(f"{srv.url}/v1/completions", timeout=30, json={
             "prompt": [5] * 40, "max_tokens": 2, "ignore_eos": True, "kv_transfer_params": {"do_remote_decode": True}})
         params = resp.json()["kv_transfer_params"]
@@ -308,7 +315,9 @@ def test_lease_expiry_frees_prefill_blocks(tiny_llama):
         srv.wait_idle(timeout=20)
         assert srv.status()["kv_transfer"]["blocks_held"] == 0
     finally:
-        srv.stop()
+        code = srv.stop(group=True)
+    assert code in (0, -15) and not os.path.exists(socket_file)
+    assert "engine core shutting down" in srv.log_path.read_text()  # told by the server, not killed
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,15 +93,15 @@ def test_disk_store_corrupt_foreign_and_deleted_entries_are_misses(tmp_path):
     store = DiskStore(str(tmp_path), 2**30, FMT)
     for i in range(3):
         store.put(f"k{i}", _chunk(i))
-    path = tmp_path / "k0.kv"
+    path = Path(store.path("k0"))
     path.write_bytes(path.read_bytes()[:-7])  # truncated
     other = DiskStore(str(tmp_path / "other"), 2**30, ChunkFormat("model-b", torch.float32, FMT.shape))
     other.put("k1", _chunk(1))
-    os.replace(tmp_path / "other" / "k1.kv", tmp_path / "k1.kv")  # another model's entry under our key
-    os.unlink(tmp_path / "k2.kv")  # deleted behind the store's back (e.g. during a read)
+    os.replace(other.path("k1"), store.path("k1"))  # another model's entry moved under our file name
+    os.unlink(store.path("k2"))  # deleted behind the store's back (e.g. during a read)
     for key in ("k0", "k1", "k2"):
         assert store.get(key) is None
-    assert not path.exists() and not (tmp_path / "k1.kv").exists()  # bad entries are removed
+    assert not path.exists() and not os.path.exists(store.path("k1"))  # bad entries are removed
     assert store.contains(["k0", "k1", "k2"]) == [False] * 3 and store.used_bytes() == 0
 
 
@@ -122,7 +123,53 @@ def test_disk_full_skips_the_write(tmp_path, caplog):
     assert torch.equal(store.get("k0"), _chunk(0))
 
 
+# Another --kv-chunk-tokens: 8 blocks a chunk instead of 4 (all else equal). A chain key names
+# a chunk by its last block, so both formats write chunks under the same keys.
+FMT_WIDE = ChunkFormat(FMT.fingerprint, FMT.dtype, (2, 2, 8, 4, 2, 8))
+
+
+def _wide_chunk(seed: int) -> torch.Tensor:
+    return torch.randn(FMT_WIDE.shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _two_formats_share_keys(narrow, wide) -> None:
+    """Both write the same keys and read back their own, in any order; nothing is refused."""
+    for i in range(3):
+        narrow.put(f"k{i}", _chunk(i))
+        wide.put(f"k{i}", _wide_chunk(i))
+    for i in range(3):
+        assert torch.equal(wide.get(f"k{i}"), _wide_chunk(i))
+        assert torch.equal(narrow.get(f"k{i}"), _chunk(i))
+    assert narrow.contains(["k0", "k1", "k2"]) == wide.contains(["k0", "k1", "k2"]) == [True] * 3
+    assert narrow.stats.rejected == wide.stats.rejected == {}
+    assert narrow.fmt.namespace != wide.fmt.namespace
+    for dtype in (torch.bfloat16, torch.float16):  # the dtype names a format too
+        assert ChunkFormat(FMT.fingerprint, dtype, FMT.shape).namespace != narrow.fmt.namespace
+
+
+def test_disk_stores_of_two_chunk_sizes_share_a_directory(tmp_path):
+    """Two instances with different --kv-chunk-tokens on one disk directory: each keeps its own
+    entries under the same keys, neither deletes nor evicts the other's, and a restart indexes
+    (and caps) only its own format's files."""
+    size = len(b"".join(serde.encode(_chunk(0), FMT.fingerprint, 16, "k0")))
+    narrow, wide = DiskStore(str(tmp_path), 3 * size, FMT), DiskStore(str(tmp_path), 2**30, FMT_WIDE)
+    _two_formats_share_keys(narrow, wide)
+    assert len(os.listdir(tmp_path)) == 6
+    reopened = DiskStore(str(tmp_path), 3 * size, FMT)
+    assert reopened.used_bytes() == 3 * size == narrow.used_bytes()
+    reopened.put("k3", _chunk(3))  # over its cap: its own oldest goes, never the other's
+    assert reopened.contains(["k0", "k3"]) == [False, True]
+    assert wide.contains(["k0", "k1", "k2"]) == [True] * 3 and torch.equal(wide.get("k0"), _wide_chunk(0))
+
+
 # ---- Redis ---------------------------------------------------------------------------------
+def test_redis_stores_of_two_chunk_sizes_share_a_server(redis_server):
+    narrow, wide = RedisStore(redis_server.url, FMT), RedisStore(redis_server.url, FMT_WIDE)
+    _two_formats_share_keys(narrow, wide)
+    narrow.close()
+    wide.close()
+
+
 def test_redis_store_roundtrip_ttl_and_corruption(redis_server):
     import redis
     store = RedisStore(redis_server.url, FMT, ttl_s=100)

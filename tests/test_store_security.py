@@ -50,7 +50,7 @@ def test_disk_tier_is_private_whatever_the_umask(tmp_path, caplog):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "kv").st_mode) == 0o700
-    assert stat.S_IMODE(os.stat(tmp_path / "kv" / "k0.kv").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(store.path("k0")).st_mode) == 0o600
     # A directory that exists keeps its mode (it may be shared, like /tmp): a warning says so.
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -94,10 +94,10 @@ class _DiskEntries:
     """The disk tier's files, written as an attacker with access to the directory would."""
 
     def __init__(self, store: DiskStore) -> None:
-        self.dir = store.dir
+        self.store = store
 
     def path(self, key: str) -> str:
-        return os.path.join(self.dir, key + ".kv")
+        return self.store.path(key)
 
     def read(self, key: str) -> bytes:
         with open(self.path(key), "rb") as f:
@@ -177,9 +177,9 @@ def test_planted_symlinks_fifos_and_huge_files_are_refused(tmp_path, caplog):
     reader, a huge sparse file would be read into memory. Each is refused and removed."""
     store = DiskStore(str(tmp_path), 2**30, FMT)
     store.put("k0", _chunk(0))
-    os.symlink(tmp_path / "k0.kv", tmp_path / "k1.kv")
-    os.mkfifo(tmp_path / "k2.kv")
-    with open(tmp_path / "k3.kv", "wb") as f:
+    os.symlink(store.path("k0"), store.path("k1"))
+    os.mkfifo(store.path("k2"))
+    with open(store.path("k3"), "wb") as f:
         f.truncate(serde.max_size(FMT.nbytes) + 1)
     results = {}
     reader = threading.Thread(target=lambda: results.update((k, store.get(k)) for k in ("k1", "k2", "k3")),
@@ -188,11 +188,11 @@ def test_planted_symlinks_fifos_and_huge_files_are_refused(tmp_path, caplog):
         reader.start()
         reader.join(5)
     if reader.is_alive():  # blocked on the FIFO: open it for writing once so the reader ends
-        with open(tmp_path / "k2.kv", "wb"):
+        with open(store.path("k2"), "wb"):
             pass
         pytest.fail("reading a planted FIFO blocked")
     assert results == {"k1": None, "k2": None, "k3": None}
-    assert sorted(os.listdir(tmp_path)) == ["k0.kv"] and torch.equal(store.get("k0"), _chunk(0))
+    assert os.listdir(tmp_path) == [os.path.basename(store.path("k0"))] and torch.equal(store.get("k0"), _chunk(0))
     assert store.stats.rejected == {"corrupt": 3}
     assert caplog.text.count("a symlink, not an entry") == 1
     assert caplog.text.count("not a regular file of at most a payload's size") == 2

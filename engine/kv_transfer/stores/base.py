@@ -1,9 +1,10 @@
 """The KVStore contract shared by the CPU, disk and Redis tiers.
 
 A store maps a chunk key (the hex SHA-256 chained hash of the chunk's last block, namespaced
-by the model fingerprint) to the KV of one chunk: [num_layers, 2, blocks, block_size,
-num_kv_heads, head_dim], with ``blocks_per_chunk`` blocks (a prompt's trailing chunk: fewer). Every method is safe to call from several threads and
-never raises for a missing, corrupt or unreachable entry: that is a miss.
+by the chunk format: ``ChunkFormat.namespace``) to the KV of one chunk: [num_layers, 2, blocks,
+block_size, num_kv_heads, head_dim], with ``blocks_per_chunk`` blocks (a prompt's trailing
+chunk: fewer). Every method is safe to call from several threads and never raises for a
+missing, corrupt or unreachable entry: that is a miss.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_transfer.serde import CorruptPayload
+from engine.kv_transfer.serde import VERSION, CorruptPayload
 
 logger = logging.getLogger("engine.kv_store")
 
@@ -38,8 +39,13 @@ class ChunkFormat:
 
     @property
     def namespace(self) -> str:
-        """A short prefix that keeps two models (or layouts) apart in a shared store."""
-        return hashlib.sha256(self.fingerprint.encode()).hexdigest()[:16]
+        """A short prefix that keeps two chunk formats apart in a shared store: another model,
+        dtype, layout, payload version or chunk size (``--kv-chunk-tokens``: the chained hash
+        of a block is the same whatever the chunk size, so without it a chunk of 16 blocks and
+        one of 32 ending at the same block would share a key, and each instance would delete
+        the other's as ``wrong_format``)."""
+        described = f"{self.fingerprint}|{str(self.dtype).removeprefix('torch.')}|{list(self.shape)}|v{VERSION}"
+        return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 @dataclass

@@ -1,6 +1,10 @@
 """Local-disk tier: one file per chunk, written atomically (temp file + rename), an LRU index
 rebuilt from the directory at start (so it survives restarts), and a byte cap.
 
+Files are named ``<namespace>-<key>.kv`` (``ChunkFormat.namespace``): engines of other chunk
+formats (another model, dtype or ``--kv-chunk-tokens``) can share the directory without ever
+reading, deleting or evicting each other's files; the byte cap counts this format's files only.
+
 Prompts' KV is users' data: the directory is created 0700 and files 0600, whatever the umask.
 A directory that already exists keeps its mode (it may be one the operator set up, or shared
 like /tmp, where a chmod would do harm); if others can reach it we warn. Anyone who can write
@@ -47,15 +51,22 @@ class DiskStore(EvictingStore):
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
-        entries = []
+        entries, unnamespaced = [], 0
+        mine = self.fmt.namespace + "-"
         for entry in os.scandir(self.dir):
             if entry.name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
                     if time.time() - entry.stat().st_mtime > 60:  # a write cut short by a crash
                         os.unlink(entry.path)
-            elif entry.name.endswith(SUFFIX) and entry.is_file():
+            elif entry.name.startswith(mine) and entry.name.endswith(SUFFIX) and entry.is_file():
                 stat = entry.stat()
-                entries.append((stat.st_mtime, entry.name[:-len(SUFFIX)], stat.st_size))
+                entries.append((stat.st_mtime, entry.name[len(mine):-len(SUFFIX)], stat.st_size))
+            elif entry.name.endswith(SUFFIX) and "-" not in entry.name:
+                unnamespaced += 1
+        if unnamespaced:  # files of other formats are another engine's; these are nobody's
+            logger.warning("disk KV tier %s: %d files named by key alone (written before entries were named by "
+                           "chunk format) are never read: delete *.kv files without a '-' to free the space",
+                           self.dir, unnamespaced)
         for _, key, size in sorted(entries):
             self._index[key] = size
             self._used += size
@@ -63,8 +74,9 @@ class DiskStore(EvictingStore):
             logger.info("disk KV tier %s: %d chunks (%.1f MiB) found", self.dir, len(entries), self._used / 2**20)
         self._evict()
 
-    def _file(self, key: str) -> str:
-        return os.path.join(self.dir, key + SUFFIX)
+    def path(self, key: str) -> str:
+        """The file of ``key``'s entry."""
+        return os.path.join(self.dir, f"{self.fmt.namespace}-{key}{SUFFIX}")
 
     def contains(self, keys: list[str]) -> list[bool]:
         with self._lock:
@@ -73,7 +85,7 @@ class DiskStore(EvictingStore):
         for i, key in enumerate(keys):
             if not found[i]:  # written since our start by another engine sharing the directory
                 try:
-                    size = os.stat(self._file(key)).st_size
+                    size = os.stat(self.path(key)).st_size
                 except OSError:
                     continue
                 with self._lock:
@@ -106,7 +118,7 @@ class DiskStore(EvictingStore):
         """The entry's bytes. Only a regular file of at most a payload's size is read: a planted
         symlink is not followed, a FIFO never blocks, a huge (sparse) file is never loaded."""
         try:
-            fd = os.open(self._file(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise serde.CorruptPayload("corrupt", "a symlink, not an entry") from None
@@ -128,11 +140,11 @@ class DiskStore(EvictingStore):
         size = sum(memoryview(b).nbytes for b in buffers)
         if size > self.capacity:
             return
-        tmp = os.path.join(self.dir, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = os.path.join(self.dir, f".{self.fmt.namespace}-{key}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 f.writelines(buffers)
-            os.replace(tmp, self._file(key))  # readers see the whole file or none of it
+            os.replace(tmp, self.path(key))  # readers see the whole file or none of it
         except OSError as exc:  # disk full, read-only, directory gone: skip this write
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -160,7 +172,7 @@ class DiskStore(EvictingStore):
                 self._used -= self._index.pop(key)
                 self._log(key, False)
                 with contextlib.suppress(OSError):
-                    os.unlink(self._file(key))
+                    os.unlink(self.path(key))
 
     def _forget(self, key: str, unlink: bool = False) -> None:
         with self._lock:
@@ -170,7 +182,7 @@ class DiskStore(EvictingStore):
                 self._log(key, False)
         if unlink:
             with contextlib.suppress(OSError):
-                os.unlink(self._file(key))
+                os.unlink(self.path(key))
 
     def used_bytes(self) -> int:
         return self._used
