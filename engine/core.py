@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine import timeline
 from engine.core_lending import core_lending
 from engine.kv_events import KVEventPublisher
 from engine.errors import InvalidRequestError, PrefillElsewhere
@@ -239,6 +240,9 @@ def _loop(core: EngineCoreProc, pull, push, encoder, decoder, parent_pid: int, t
         if outputs or state != last_state or now - last_stats > STATS_INTERVAL_S:
             push.send(encoder.encode(Outputs(outputs, core.stats())))
             last_stats, last_state = now, state
+            timeline.mark("core.sent", *(o.req_id for o in outputs))
+        # Only now the step's KV offers and tier saves: a prefill's first token never waits on them.
+        core.engine.save_kv()
         if not busy and now - last_trim > TRIM_INTERVAL_S:
             # Idle: hand freed heap pages back to the OS, so varied batch shapes do not leave
             # the process's memory fragmented and growing.

@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from engine import timeline
 from engine.block_pool import BlockHasher, check_cache_salt, root_block_hash
 from engine.config import EngineConfig
 from engine.cpu_placement import apply_placement
@@ -407,6 +408,8 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         scheduler_output = self.scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        if timeline.enabled:
+            timeline.mark("core.scheduled", *(new.req_id for new in scheduler_output.scheduled_new_reqs))
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as exc:
@@ -428,7 +431,15 @@ class EngineCore:
                 out.kv_transfer_params = self._hand_off(request) if last else None
             if out.finish_reason is not None and request is not None:
                 self._end_sequence(out.req_id)
+        if timeline.enabled:
+            timeline.mark("core.outputs", *(out.req_id for out in outputs))
         return outputs
+
+    def save_kv(self) -> None:
+        """The last step's KV offers and tier saves: call it once the step's outputs are on their
+        way (engine/core.py sends them first), so a prefill instance's first token never waits
+        for them. If nobody does, the next step makes them before anything else."""
+        self.runner.save_kv()
 
     def _contain_step_failure(self, scheduler_output, exc: Exception) -> list[EngineCoreOutput]:
         """A model step raised: the requests in it are recomputed, each alone, and the one the

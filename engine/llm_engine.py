@@ -74,7 +74,9 @@ class LLMEngine:
         return self.core.num_tracked_requests() + self.processor.num_tracked_requests()
 
     def step(self) -> list[RequestOutput]:
-        processed = self.processor.process(self.core.step())
+        outputs = self.core.step()
+        self.core.save_kv()  # (no one waits for the outputs before this returns)
+        processed = self.processor.process(outputs)
         if processed.stop:
             self.core.stop_sequences(processed.stop)
         if processed.abort:

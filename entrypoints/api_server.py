@@ -15,6 +15,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine import timeline
 from engine.block_pool import root_block_hash
 from engine.core_client import AsyncEngineClient, ChoiceDelta, EngineRequestError, LogprobEntry, RequestStream
 from engine.errors import error_status
@@ -232,6 +233,7 @@ class OpenAIServer:
 
     # ---- endpoints ---------------------------------------------------------------------
     async def completions(self, raw: Request) -> Response:
+        received = time.monotonic()
         request: CompletionRequest = await self._parse(raw, CompletionRequest)
         if request.logprobs is not None and request.logprobs > 5:
             raise APIError(400, f"logprobs must be at most 5 for completions, got {request.logprobs}", "logprobs")
@@ -239,9 +241,10 @@ class OpenAIServer:
         params = await self._sampling_params(request, 1 if request.echo_only else request.max_tokens,
                                              request.logprobs)
         prompts = await self._off_loop(self._completion_prompts, request.prompt)
-        return await self._serve(raw, request, "cmpl", prompts, params, chat=False)
+        return await self._serve(raw, request, "cmpl", prompts, params, chat=False, received=received)
 
     async def chat_completions(self, raw: Request) -> Response:
+        received = time.monotonic()
         request: ChatCompletionRequest = await self._parse(raw, ChatCompletionRequest)
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
@@ -249,10 +252,11 @@ class OpenAIServer:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = await self._sampling_params(request, max_tokens, logprobs)
         prompt = await self._off_loop(self._chat_prompt, request)
-        return await self._serve(raw, request, "chatcmpl", [prompt], params, chat=True)
+        return await self._serve(raw, request, "chatcmpl", [prompt], params, chat=True, received=received)
 
     async def _serve(self, raw: Request, request, prefix: str, prompts: list[list[int]], params,
-                     chat: bool) -> Response:
+                     chat: bool, received: float | None = None) -> Response:
+        tokenized = time.monotonic()  # (and validated)
         kv_params = self._check_request(request, prompts, params)
         try:
             # The client's id is echoed; the engine's is unique to this request (clients share ids).
@@ -261,6 +265,8 @@ class OpenAIServer:
         except BodyError as exc:
             raise APIError(exc.status, exc.message, exc.param) from None
         arrival = time.monotonic()
+        timeline.mark("api.received", engine_id, at=received)
+        timeline.mark("api.tokenized", engine_id, at=tokenized)
         streams: list[RequestStream] = []
         try:
             for i, prompt_ids in enumerate(prompts):
@@ -274,6 +280,7 @@ class OpenAIServer:
             for s in streams:
                 s.close()
             raise APIError(exc.status, str(exc), exc.param)
+        timeline.mark("api.queued", *(s.request_id for s in streams))
         response = _Response(self, request_id, request, prompts, params.n, chat, arrival, continues=shown)
         if response.echo:
             response.prompt_texts = await self._off_loop(self._prompt_texts, request.prompt, prompts)
@@ -393,6 +400,7 @@ class _Response:
         self.prompt_texts: list[str] = []  # set by the server when echo
         self.prompt_logprobs: dict[int, list] = {}  # by prompt index, as RequestDelta brings them
         self.started: set[int] = set()  # choices whose first chunk went out (streaming)
+        self.completion_tokens_shown = False  # a chunk with a token went out (streaming)
         self._echoed_prompts: dict[int, tuple[str, dict, int]] = {}  # _echoed, per prompt
 
     def _record(self, prompt_index: int, delta) -> None:
@@ -400,6 +408,7 @@ class _Response:
         if any(c.token_ids for c in delta.choices):
             if self.first_token_at is None:
                 self.first_token_at = now
+                timeline.mark("api.first_output", delta.request_id, at=now)
             elif self.last_token_at is not None:
                 self.itls.append(now - self.last_token_at)
             self.last_token_at = now
@@ -567,7 +576,9 @@ class _Response:
             # One per prompt, in prompt order (a list only when the request had several).
             params = [msgspec.to_builtins(self.kv_transfer_params.get(i)) for i in range(len(self.prompts))]
             body["kv_transfer_params"] = params if len(params) > 1 else params[0]
-        return JSONResponse(body, headers={"X-Request-Id": self.request_id})
+        answer = JSONResponse(body, headers={"X-Request-Id": self.request_id})
+        timeline.mark("api.answer", *(s.request_id for s in streams))
+        return answer
 
     # ---- streaming ---------------------------------------------------------------------
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -596,6 +607,9 @@ class _Response:
                              if delta.kv_transfer_params else {})
                     if self.chat and delta.prompt_logprobs is not None and self.request.prompt_logprobs is not None:
                         extra["prompt_logprobs"] = self._prompt_logprobs_field(0)
+                    if not self.completion_tokens_shown:
+                        self.completion_tokens_shown = True
+                        timeline.mark("api.answer", delta.request_id)
                     yield chunk(out, **extra)
             else:
                 if include_usage:

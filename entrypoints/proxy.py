@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from engine import timeline
 from entrypoints.kv_paths import TransferPaths
 from entrypoints.kv_router import KVRouter, PromptBlocks
 from entrypoints.protocol import (
@@ -320,6 +321,7 @@ class Proxy:
         dropped = 0  # instances that dropped the connection mid-request: resent once at most
         for upstream in self.ordered(self.prefills, "prefill"):
             upstream.in_flight += 1
+            timeline.mark("proxy.prefill_sent", headers[ENGINE_REQUEST_ID])
             try:
                 resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # down: try the next prefill instance
@@ -341,6 +343,7 @@ class Proxy:
             if resp.status_code != 200:
                 return _passthrough_error(resp)
             answer = resp.json()
+            timeline.mark("proxy.prefill_answered", headers[ENGINE_REQUEST_ID])
             if not answer.get("kv_transfer_params"):
                 return error_response(502, f"prefill {upstream.url} returned no kv_transfer_params "
                                            "(is it running with --role prefill?)")
@@ -370,11 +373,14 @@ class Proxy:
         logger.info("%s: %s prefill (%s)", request_id, path, reason)
 
     async def handle(self, raw: Request, path: str) -> Response:
+        received = time.monotonic()
         read = await read_client_request(raw, "px")
         if isinstance(read, Response):
             return read
         body, headers = read
         request_id = body["request_id"]
+        timeline.mark("proxy.received", headers[ENGINE_REQUEST_ID], at=received)
+        timeline.mark("proxy.read", headers[ENGINE_REQUEST_ID])
         prompt = await self.prompt_of(path, body, headers)
         if not self.prefills:  # plain replicas
             return await self._local_or_502(raw, path, body, headers, prompt)
@@ -396,6 +402,7 @@ class Proxy:
                 self._decided("local", "prefill_busy", request_id)
                 return await self._local_or_502(raw, path, body, headers, prompt)
             reason = "long_prompt"
+        timeline.mark("proxy.decided", headers[ENGINE_REQUEST_ID])
         started = time.monotonic()
         answer = await _until_disconnect(raw, self.prefill(path, body, headers))
         if answer is None:
@@ -547,7 +554,9 @@ class Proxy:
                 # The first tokens go out before D is even asked (once, whichever D takes it).
                 if first.chat:
                     yield first.role_chunk()
-                yield first.continuing_chunk()
+                chunk = first.continuing_chunk()
+                timeline.mark("proxy.first_chunk", headers[ENGINE_REQUEST_ID])
+                yield chunk
                 opened = await self._on_a_decode(prompt, lambda u: self._open_stream(u, path, body, headers),
                                                  "hand-off", extra)
             finally:

@@ -507,3 +507,43 @@ def test_renewals_keep_kv_for_a_queued_consumer_up_to_the_hold_limit(producer, m
         assert producer.counters["lease_renewals"] > 10
     finally:
         consumer.shutdown()
+
+
+def test_a_pull_that_comes_before_its_offer_waits_for_it(producer):
+    """A step's offers are made once its output (which carries their parameters) went out
+    (ModelRunner.save_kv), announced when the step began (start_load_kv): a pull that comes in
+    between waits for the offer and loads the KV, where it would have found nothing. One for an
+    offer its step never made (the step raised: the next one begins without it) is refused as
+    not found then, not at the end of the wait."""
+    consumer = _consumer()
+    addr = ipc_path(producer.port)
+    waiting = lambda: producer.producer._early  # noqa: E731  (the serve thread's list of pulls held)
+
+    def pull(rid: str, dst: list[int]) -> None:
+        consumer.start_load_kv(P2PMetadata(loads=[LoadSpec(rid, addr, rid, 0, dst, time.monotonic() + 10, "tokens")]))
+        deadline = time.monotonic() + 10
+        while not waiting():  # the producer has it, and holds it
+            assert time.monotonic() < deadline, "the pull never reached the producer"
+            time.sleep(0.005)
+        assert not consumer.get_finished().finished_recving
+
+    try:
+        offer = SendSpec("r1", [1, 2], 8, time.monotonic() + 30, "tokens")
+        producer.start_load_kv(P2PMetadata(sends=[offer]))  # the step that computes r1's prompt begins
+        pull("r1", [3, 4])
+        producer.save_kv(P2PMetadata(sends=[offer]))  # its output went out
+        out = _load_result(consumer)
+        assert out.finished_recving == {"r1"}, out.failure_reasons
+        assert torch.equal(consumer.kv[:, :, [3, 4]], producer.kv[:, :, [1, 2]])
+        _sent(producer, "r1")
+
+        producer.start_load_kv(P2PMetadata(sends=[SendSpec("r2", [5, 6], 8, time.monotonic() + 30, "tokens")]))
+        pull("r2", [7, 8])
+        start = time.monotonic()
+        producer.start_load_kv(P2PMetadata())  # r2's step raised: the next begins, r2 never offered
+        out = _load_result(consumer)
+        assert out.failed_recving == {"r2"} and "not_found" in out.failure_reasons["r2"], out.failure_reasons
+        assert time.monotonic() - start < 2  # (a pull gives up waiting after EARLY_PULL_WAIT_S = 5 s)
+        assert not waiting()
+    finally:
+        consumer.shutdown()

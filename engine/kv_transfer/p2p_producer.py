@@ -58,6 +58,8 @@ REPLY_RETRY_S = 5.0  # how long a control reply waits for room in a slow peer's 
 MAX_MESSAGES_PER_ROUND = 64  # control messages taken per round, so transfers keep moving
 MAX_CHALLENGES = 1024  # open handshakes; a stranger's flood pushes out the oldest, never grows memory
 MAX_SESSIONS = 4096  # authenticated peers; the least recently heard from (long gone, mostly) drops out
+EARLY_PULL_WAIT_S = 5.0  # how long a pull for an announced offer waits for it (see announce)
+MAX_EARLY_PULLS = 256  # pulls waiting so at once; more are answered at once (not found)
 
 
 @dataclass(slots=True)
@@ -110,6 +112,7 @@ class P2PProducer:
         self.kv: torch.Tensor | None = None
         # Shared with the engine thread, under the lock:
         self._buffer: dict[str, SendSpec] = {}  # the lookup buffer: request id -> KV on offer
+        self._announced: set[str] = set()  # offers of the step in flight, made once its output is out
         self._lent: dict[str, tuple[SendSpec, str, int]] = {}  # request id -> (entry, transfer id, blocks)
         self._done_sending: set[str] = set()
         # The serve thread's own:
@@ -120,6 +123,7 @@ class P2PProducer:
         self._free: list[_Slot] = []  # slots of no active transfer (maybe still draining)
         self._detached: list[_Slot] = []  # set aside by abandoned transfers until zmq lets go
         self._outbox: deque[tuple[bytes, bytes, float]] = deque()  # (peer, reply, give up at)
+        self._early: list[tuple[bytes, Pull, float]] = []  # pulls for announced offers: (peer, pull, give up at)
         self._next_expiry = 0.0
         self._sock: zmq.Socket | None = None
         self._stop = threading.Event()
@@ -141,12 +145,22 @@ class P2PProducer:
         if self._bind_error is not None:
             raise RuntimeError(f"KV server cannot bind port {self.port}: {self._bind_error}")
 
+    def announce(self, sends: list[SendSpec]) -> None:
+        """Before the forward pass: these offers are made (``offer``) once the step's output,
+        which carries their parameters, is on its way. A pull can only come after that, but it
+        may come before the offer: it waits for it (EARLY_PULL_WAIT_S at most) rather than find
+        nothing. What an earlier step announced and never offered ends here: that step raised,
+        and it offered nothing."""
+        with self._lock:
+            self._announced = {spec.req_id for spec in sends}
+
     def offer(self, sends: list[SendSpec]) -> None:
-        """``insert`` into the lookup buffer. The lease starts now (the step's answer goes out
-        next), not when the step was planned."""
+        """``insert`` into the lookup buffer. The lease starts now (the step's answer has just
+        gone out), not when the step was planned."""
         now = time.monotonic()
         with self._lock:
             for spec in sends:
+                self._announced.discard(spec.req_id)
                 if spec.lease_s > 0:
                     spec.lease_deadline = now + spec.lease_s
                     spec.hold_until = now + spec.lease_s * MAX_LEASES_HELD
@@ -157,6 +171,7 @@ class P2PProducer:
         lookup buffer now. One that is being sent regardless finishes as usual."""
         with self._lock:
             for rid in req_ids:
+                self._announced.discard(rid)
                 if self._buffer.pop(rid, None) is not None:
                     self._done_sending.add(rid)
 
@@ -203,6 +218,8 @@ class P2PProducer:
             while not self._stop.is_set():
                 moved = sock.poll(wait_ms, zmq.POLLIN) != 0 and self._receive()
                 now = time.monotonic()
+                if self._early:
+                    moved |= self._retry_early()
                 moved |= self._advance(now)
                 self._flush_outbox(now)
                 if now >= self._next_expiry:
@@ -213,7 +230,7 @@ class P2PProducer:
                 # a while, so stalled consumers cost next to no CPU.
                 if moved:
                     wait_ms, moved_at = 0, now
-                elif self._active or self._waiting or self._outbox:
+                elif self._active or self._waiting or self._outbox or self._early:
                     wait_ms = 1 if now - moved_at < 0.05 else 10
                 else:
                     wait_ms = 100
@@ -336,20 +353,29 @@ class P2PProducer:
                                                min(time.monotonic() + entry.lease_s, entry.hold_until))
                     self.stats["lease_renewals"] += 1
 
-    def _select(self, pull: Pull) -> SendSpec | str:
+    def _select(self, pull: Pull, wait: bool = True) -> SendSpec | str | None:
         """drop_select: the entry leaves the buffer as it is selected, but only by a pull for
         the very tokens it was computed for (anything else leaves it for its real consumer).
-        Returns the entry, or why there is none."""
+        Returns the entry, or why there is none; None (with ``wait``): it is announced, not
+        offered yet."""
         with self._lock:
             entry = self._buffer.get(pull.request_id)
+            if entry is None and wait and pull.request_id in self._announced:
+                return None
             if entry is None:
                 return f"not_found: no KV held for {pull.request_id} (expired, sent or unknown)"
             if entry.token_digest != pull.token_digest:
                 return f"mismatch: the KV held for {pull.request_id} belongs to other tokens"
             return self._buffer.pop(pull.request_id)
 
-    def _serve_pull(self, identity: bytes, pull: Pull) -> None:
-        entry = self._select(pull)
+    def _serve_pull(self, identity: bytes, pull: Pull, give_up_at: float | None = None) -> None:
+        """``give_up_at``: a pull that waited for its announced offer, until then (see announce)."""
+        now = time.monotonic()
+        waits = give_up_at is not None or len(self._early) < MAX_EARLY_PULLS
+        entry = self._select(pull, wait=waits and (give_up_at is None or now < give_up_at))
+        if entry is None:
+            self._early.append((identity, pull, give_up_at or now + EARLY_PULL_WAIT_S))
+            return
         if isinstance(entry, str):
             status, message = entry.split(": ", 1)
             self._reply(identity, Chunk(pull.transfer_id, status, message))
@@ -368,6 +394,14 @@ class P2PProducer:
             num_chunks = -(-len(blocks) // self.layout.blocks_per_chunk)
             self._waiting.append(_SocketSend(identity, pull, entry, blocks, num_chunks,
                                              time.monotonic() + fault_delay(entry.fault)))
+
+    def _retry_early(self) -> bool:
+        """Pulls that came before their announced offer: served once it is made, refused as not
+        found once it will not be (or EARLY_PULL_WAIT_S on). True if any of them moved on."""
+        early, self._early = self._early, []
+        for identity, pull, give_up_at in early:
+            self._serve_pull(identity, pull, give_up_at)
+        return len(self._early) < len(early)
 
     def _reply(self, identity: bytes, msg: WireMessage) -> None:
         self._outbox.append((identity, encode(msg), time.monotonic() + REPLY_RETRY_S))

@@ -20,6 +20,7 @@ import threading
 import torch
 import zmq
 
+from engine import timeline
 from engine.kv_transfer.base import KVConnectorWorker
 from engine.kv_transfer.p2p import P2PMetadata
 from engine.kv_transfer.p2p_consumer import P2PConsumer
@@ -114,11 +115,15 @@ class P2PConnectorWorker(KVConnectorWorker):
             return
         if self.producer is not None:
             self.producer.withdraw(metadata.withdrawals)
+            self.producer.announce(metadata.sends)
         self.consumer.submit(metadata)
 
     def save_kv(self, metadata: P2PMetadata | None) -> None:
-        """After the forward pass that computed their last prompt token: the offers go up."""
+        """After the step that computed their last prompt token, once its output is on its way
+        (the model runner's save_kv): the offers go up. A pull that comes first waits for them
+        (P2PProducer.announce)."""
         if metadata is not None and self.producer is not None:
+            timeline.mark("kv.offered", *(spec.req_id for spec in metadata.sends))
             self.producer.offer(metadata.sends)
 
     def get_finished(self) -> KVConnectorOutput:

@@ -2,9 +2,11 @@
 metadata are in ``tiered.py``). Everything here that touches a store runs on a thread of its
 own, never on the engine's step thread.
 
-Saves: a save gathers the chunk's blocks into one CPU tensor right after the forward pass (a
-memcpy, while the blocks are certainly still the request's), puts it in the CPU tier and queues
-it for the slower tiers, which a background thread writes.
+Saves: a save gathers the chunk's blocks into one CPU tensor once the step's output is on its
+way and before the next step loads or computes anything (the model runner's save_kv; a memcpy,
+while the blocks certainly still hold what the step computed, even those a request that ended
+in it freed), puts it in the CPU tier and queues it for the slower tiers, which a background
+thread writes.
 
 Lookups run on lookup threads; each store call is bounded by the store's own timeout. A lookup
 pins the chunks it found (a lease, per request) and posts the count; the answer goes back in
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import timeline
 from engine.kv_transfer.base import KVConnectorWorker, LoadBook, contiguous_runs, queued
 from engine.kv_transfer.stores.base import KVStore
 from engine.kv_transfer.tier_events import TierEvents
@@ -188,6 +191,8 @@ class TieredConnectorWorker(KVConnectorWorker):
     def save_kv(self, metadata: TieredMetadata | None) -> None:
         if metadata is None:
             return
+        if metadata.saves and timeline.enabled:
+            timeline.mark("kv.saved", *sorted({save.key for save in metadata.saves}))
         for save in metadata.saves:
             # A copy now, while the blocks surely hold this chunk; everything slower happens later.
             index = torch.tensor(save.block_ids, dtype=torch.int64, device=self.kv.device)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine import timeline
 from engine.config import EngineConfig
 from engine.grammar import bitmask_to_bound, bitmask_to_bound_on_device
 from engine.kv_transfer.base import KVConnectorWorker, NoOpConnectorWorker, allocate_kv_tensor
@@ -144,6 +145,7 @@ class ModelRunner:
         self._fail_request = (prefix, int(position)) if prefix else None
         self._num_forwards = 0
         self.connector_meta_delivered = True
+        self._unsaved = None  # the last step's connector metadata, until save_kv
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         why = why_not_captured(self.config, self.device, self.backend.name)
@@ -264,6 +266,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.save_kv()  # the previous step's, if its caller has not: before anything loads or computes
         self.connector_meta_delivered = False  # until then, a failure loses other requests' transfers
         self._update_states(so)
         self.connector.start_load_kv(so.kv_connector_metadata)
@@ -313,11 +316,28 @@ class ModelRunner:
                 output.sampled_token_ids[state.req_id] = token
                 if sampled.logprobs is not None and state.sampling_params.logprobs is not None:
                     output.logprobs[state.req_id] = sampled.logprobs[i]
-        # Offers and tier saves go out last: a step that raised before here offered nothing
-        # (engine_core recomputes its requests in blocks it may hand to others).
-        self.connector.save_kv(so.kv_connector_metadata)
+            timeline.mark("runner.sampled", *output.sampled_token_ids)
+        # Offers and tier saves are the caller's to make (save_kv) once this output is on its
+        # way: a step that raised before here offered nothing (engine_core recomputes its
+        # requests in blocks it may hand to others).
+        self._unsaved = so.kv_connector_metadata
         output.kv_connector_output = self._connector_output()
         return output
+
+    def save_kv(self) -> None:
+        """The last step's offers and tier saves (the connector's save_kv), made after its output
+        went out, so that nothing done for a decode instance or a store delays the tokens it
+        carries (a prefill instance's first token): the engine core process calls it right after
+        sending the outputs, and the next step first thing if nobody did, before anything loads
+        into or computes over the blocks, which so still hold what the step computed (a request
+        that ended in it may have freed them; no one has written them since)."""
+        metadata, self._unsaved = self._unsaved, None
+        if metadata is None:
+            return
+        try:
+            self.connector.save_kv(metadata)
+        except Exception:  # the step's output stands; a save is never worth the engine
+            logger.exception("the KV connector's saves after a step failed")
 
     def _inject_request_fault(self, inputs) -> None:
         prefix, position = self._fail_request
