@@ -9,13 +9,15 @@
    phases, engine/timeline.py; medians over the requests): the next regression shows where it is.
 
     python benchmarks/disagg.py [--model M] [--lengths 128 512 2048] [--requests 5] [--skip-serving]
-                                [--max-local-prefill-tokens N] [--skip-bandwidth]
+                                [--max-local-prefill-tokens N] [--prefill-args "--kv-store cpu:2GiB"]
+                                [--skip-bandwidth]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -224,8 +226,8 @@ def mixed_load(url: str, seconds: float, long_len: int = 2048, every: float = 4.
     return statistics.median(itls), itls[int(0.99 * (len(itls) - 1))], sorted(long_ttfts)
 
 
-def serving(model: str | None, lengths: list[int], requests: int,
-            max_local_prefill_tokens: int = 0) -> tuple[list[tuple], dict]:
+def serving(model: str | None, lengths: list[int], requests: int, max_local_prefill_tokens: int = 0,
+            prefill_args: tuple[str, ...] = ()) -> tuple[list[tuple], dict]:
     """Rows of TTFT/ITL per prompt length (and the mixed-load row), and per length the median
     seconds of each phase of TTFT per setup."""
     from engine.worker.loader import resolve_model
@@ -235,7 +237,8 @@ def serving(model: str | None, lengths: list[int], requests: int,
     log = Path(tempfile.mkdtemp(prefix="engine-phases-")) / "marks.jsonl"
     os.environ[timeline.ENV_VAR] = str(log)  # every process started below marks its phases there
     colocated = ServerProcess(model_dir, *args)
-    cluster = Disagg(model_dir, *args, proxy_args=("--max-local-prefill-tokens", str(max_local_prefill_tokens)))
+    cluster = Disagg(model_dir, *args, prefill_args=prefill_args,
+                     proxy_args=("--max-local-prefill-tokens", str(max_local_prefill_tokens)))
     del os.environ[timeline.ENV_VAR]
     pids = {colocated.proc.pid: "server", colocated.engine_pid: "server", cluster.proxy.proc.pid: "proxy",
             cluster.prefill.proc.pid: "P", cluster.prefill.engine_pid: "P",
@@ -326,6 +329,7 @@ def main() -> None:
     parser.add_argument("--max-local-prefill-tokens", type=int, default=0,
                         help="the proxy's (engine proxy's default is 512: shorter prompts are prefilled on D, "
                              "longer ones ask D first); 0, the default here: every prompt through P")
+    parser.add_argument("--prefill-args", default="", help="more flags for the prefill instance alone")
     parser.add_argument("--mixed-seconds", type=float, default=MIXED_SECONDS,
                         help="duration of the mixed-load ITL run per setup (0 skips it)")
     args = parser.parse_args()
@@ -334,7 +338,8 @@ def main() -> None:
     if not args.skip_bandwidth:
         bandwidth()
     if not args.skip_serving:
-        rows, phases = serving(args.model, args.lengths, args.requests, args.max_local_prefill_tokens)
+        rows, phases = serving(args.model, args.lengths, args.requests, args.max_local_prefill_tokens,
+                               tuple(shlex.split(args.prefill_args)))
         print("\n| prompt tokens | colocated TTFT ms | P->D TTFT ms | overhead | colocated ITL ms | P->D ITL ms "
               "| colocated 1st->2nd token ms | P->D 1st->2nd token ms |")
         print("|---|---|---|---|---|---|---|---|")

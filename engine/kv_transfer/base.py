@@ -185,10 +185,13 @@ class KVConnectorWorker(ABC):
         """Called once with the paged KV tensors after they are allocated."""
 
     def start_load_kv(self, metadata: Any) -> None:
-        """Before the forward pass: start or finish loads the metadata asks for."""
+        """Before the forward pass: start or finish loads the metadata asks for (and learn what
+        the step will offer or save)."""
 
     def save_kv(self, metadata: Any) -> None:
-        """After the forward pass: start saves the metadata asks for."""
+        """After the step, once its outputs are sent (ModelRunner.save_kv): make the offers and
+        start the saves the metadata asks for; the blocks still hold what the step computed.
+        Never called for a step that raised."""
 
     def get_finished(self) -> KVConnectorOutput:
         """Transfers that completed (or failed) since the last call."""

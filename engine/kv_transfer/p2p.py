@@ -10,8 +10,9 @@ blocks. The producer frees its copy only once the transfer is done or its lease 
 
 The producer samples the request's first token itself (``Request.hands_off``): its KV goes on
 offer in the very step that computes the prompt's last token (the send is in that step's
-metadata, registered after the forward pass, so before anyone can learn the parameters), and the
-request ends handed off. If the first token ends the answer (max_tokens, EOS, a stop string),
+metadata, announced to the worker half before the forward pass and registered right after the
+step's output, which carries the parameters, went out; a pull that comes between waits for it),
+and the request ends handed off. If the first token ends the answer (max_tokens, EOS, a stop string),
 the offer stays under its lease all the same, for a router that sends the consumer the client's
 own request next (vLLM's routers ask the producer for one token); those parameters carry no
 first token. The consumer starts from the prompt plus the first token when it has one, so it
@@ -230,7 +231,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         return request.hands_off and params is not None and params.do_remote_decode and self.offers_kv
 
     def _offer(self, request: Request) -> None:
-        """The step computes the prompt's last token: its KV goes on offer after the forward pass."""
+        """The step computes the prompt's last token: its KV goes on offer once its output is out."""
         num_tokens = request.num_prompt_tokens
         num_blocks = -(-num_tokens // self.block_size)
         params = request.kv_transfer_params
