@@ -82,9 +82,10 @@ def _failures(decode) -> dict:
 
 
 def _load_failures(server, request_id: str) -> list[str]:
-    """What the consumer logged for each failed KV load of ``request_id``: "<reason>: <the
-    check that failed>"."""
-    return re.findall(rf"KV load of {re.escape(request_id)} from \S+ failed: (.*)", server.log_path.read_text())
+    """What the consumer logged for each failed KV load of the client's ``request_id`` (the
+    engine's id is it with a unique suffix): "<reason>: <the check that failed>"."""
+    return re.findall(rf"KV load of {re.escape(request_id)}-[0-9a-f]+\S* from \S+ failed: (.*)",
+                      server.log_path.read_text())
 
 
 def test_clean_transfer_is_used(prefill, decode, expected):
