@@ -68,8 +68,9 @@ setup(
         "cbor2>=5",
     ],
     extras_require={
+        # triton: its interpreter runs the CUDA path's Triton kernels on CPU (TRITON_INTERPRET=1).
         "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib", "hypothesis>=6.170,<7",
-                 "schemathesis==4.32.5", "jsonschema>=4"],
+                 "schemathesis==4.32.5", "jsonschema>=4", "triton>=3.6"],
         "cuda": ["flash-attn", "xformers"],
         "ray": ["ray[serve]==2.60.0"],
     },

@@ -44,7 +44,8 @@ def test_engine_native_0_falls_back_to_torch_and_says_why():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["torch", "torch"]
-    assert "attention backend: torch, because the native CPU kernels cannot run: ENGINE_NATIVE=0" in result.stderr
+    assert "attention backend cpu skipped: the native CPU kernels cannot run: ENGINE_NATIVE=0" in result.stderr
+    assert "attention backend: torch (auto, cpu float32)" in result.stderr
 
 
 # ---- paged attention ---------------------------------------------------------------------------
