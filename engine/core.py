@@ -128,9 +128,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
     # responses the server is draining and skip engine.shutdown(), leaving a prefill's KV
     # socket file (/tmp/engine-kv-PORT.sock) and shm files behind. So it is only noted: the
     # core stops when the server says so, when the server is gone, or TERM_GRACE_S later.
+    # While the engine starts (weights, the backend probe, CUDA graphs: up to minutes) a SIGTERM
+    # still ends the core at once: there is nothing to drain yet, and an orphan would hold
+    # the model's memory until it reached its loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     terminated: list[float] = []  # when a SIGTERM came (time.monotonic())
-    signal.signal(signal.SIGTERM, lambda *_: terminated.append(time.monotonic()))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     push = ctx.socket(zmq.PUSH)
@@ -144,6 +146,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max
         try:
             engine = EngineCore(config)
             core = EngineCoreProc(engine, max_queue_len)
+            signal.signal(signal.SIGTERM, lambda *_: terminated.append(time.monotonic()))
         except Exception as exc:  # a bad model or flag, a port in use: tell the server why, then exit
             logger.exception("engine failed to start")
             push.send(encoder.encode(EngineDead(f"engine failed to start: {exc}")))

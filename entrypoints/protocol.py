@@ -141,12 +141,21 @@ def request_ids_of(body_value: object, header_value: str | None, engine_header: 
     client gave none serves as both."""
     shown = request_id_of(body_value, header_value, prefix)
     if engine_header is not None:
-        if not _ENGINE_REQUEST_ID.fullmatch(engine_header):
-            raise BodyError(400, f"{ENGINE_REQUEST_ID} must be 1-{MAX_ENGINE_REQUEST_ID_LEN} visible ASCII "
-                                 "characters", "request_id")
+        # Only the id a front derives (the client's id, or it with unique_request_id's suffix):
+        # a client that sends the header itself cannot name another client's request, nor undo
+        # the suffix that keeps shared client ids apart.
+        if not (_ENGINE_REQUEST_ID.fullmatch(engine_header) and _derived_from(engine_header, shown)):
+            raise BodyError(400, f"{ENGINE_REQUEST_ID} must be the request's id, or it followed by '-' and 16 "
+                                 "hex digits (engine proxy sends it; clients need not)", "request_id")
         return shown, engine_header
     given = body_value is not None or bool(header_value)
     return shown, (unique_request_id(shown) if given else shown)
+
+
+def _derived_from(engine_id: str, shown: str) -> bool:
+    base = shown[:MAX_ENGINE_REQUEST_ID_LEN - 17]
+    return engine_id == shown or (engine_id.startswith(base + "-") and len(engine_id) == len(base) + 17
+                                  and all(c in "0123456789abcdef" for c in engine_id[-16:]))
 
 
 def unique_request_id(request_id: str) -> str:

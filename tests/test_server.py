@@ -367,9 +367,15 @@ def test_concurrent_requests_may_share_a_request_id(server, offline):
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-request-id"] == "trace-1" and resp.json()["id"] == "trace-1"
         assert resp.json()["choices"][0]["text"] == want
-    # A front's engine request id (X-Engine-Request-Id) is checked as a client's is.
+    # A front's engine request id (X-Engine-Request-Id) is checked as a client's is, and must be
+    # derived from the request's own id: a client cannot name another request's engine id.
     assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1},
                       headers={"X-Engine-Request-Id": "x" * 201}), 400, "request_id")
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": "mine"},
+                      headers={"X-Engine-Request-Id": "cmpl-0123456789abcdef"}), 400, "request_id")
+    derived = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": "mine"},
+                   headers={"X-Engine-Request-Id": "mine-0123456789abcdef"})
+    assert derived.status_code == 200 and derived.json()["id"] == "mine"
 
 
 # ---- FAULTS.md 13: its own small server ------------------------------------------------

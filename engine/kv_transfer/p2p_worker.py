@@ -112,6 +112,8 @@ class P2PConnectorWorker(KVConnectorWorker):
 
     def start_load_kv(self, metadata: P2PMetadata | None) -> None:
         if metadata is None:
+            if self.producer is not None:
+                self.producer.announce([])  # an earlier step's announcement that was never offered ends
             return
         if self.producer is not None:
             self.producer.withdraw(metadata.withdrawals)

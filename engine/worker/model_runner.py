@@ -320,8 +320,8 @@ class ModelRunner:
         # Offers and tier saves are the caller's to make (save_kv) once this output is on its
         # way: a step that raised before here offered nothing (engine_core recomputes its
         # requests in blocks it may hand to others).
-        self._unsaved = so.kv_connector_metadata
         output.kv_connector_output = self._connector_output()
+        self._unsaved = so.kv_connector_metadata  # last: if anything above raised, nothing is offered
         return output
 
     def save_kv(self) -> None:
