@@ -228,27 +228,27 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {self.bytes_per_block} bytes")
         return num_blocks
 
+    def _activation_bytes_per_token(self) -> int:
+        """The widest layer's tensors for one token (input, qkv, attention, gate/up, down)."""
+        cfg = self.model_config
+        return (3 * cfg.hidden_size + 2 * cfg.intermediate_size
+                + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * self.dtype.itemsize
+
     def _activation_bytes(self) -> int:
         """A bound on one step's activations: the widest layer's tensors for a full token
         budget, plus the logits of a full batch, twice over for the allocator's slack."""
-        cfg, elem = self.model_config, self.dtype.itemsize
         tokens = self.config.max_num_batched_tokens
-        per_token = (3 * cfg.hidden_size + 2 * cfg.intermediate_size
-                     + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * elem
         # sampled in float32; prompt_logprobs take PROMPT_LOGPROBS_SLICE positions' logits more
-        logits = (self.config.max_num_seqs + PROMPT_LOGPROBS_SLICE) * cfg.vocab_size * 4
-        return 2 * (tokens * per_token + logits)
+        logits = (self.config.max_num_seqs + PROMPT_LOGPROBS_SLICE) * self.model_config.vocab_size * 4
+        return 2 * (tokens * self._activation_bytes_per_token() + logits)
 
     def _graph_bytes(self) -> int:
         """A bound on the captured decode graphs' private memory: one forward of the largest
         captured batch (they share one pool, largest first), with the same slack."""
         if why_not_captured(self.config, self.device, self.backend.name) is not None:
             return 0
-        cfg, elem = self.model_config, self.dtype.itemsize
         rows = min(self.config.max_capture_size, self.config.max_num_seqs)
-        per_token = (3 * cfg.hidden_size + 2 * cfg.intermediate_size
-                     + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * elem
-        return 2 * rows * per_token * 2 + 64 * 2**20
+        return 2 * rows * self._activation_bytes_per_token() * 2 + 64 * 2**20
 
     # ---- per-step state ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
