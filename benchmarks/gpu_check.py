@@ -12,6 +12,7 @@ one process each, under a timeout, so one failing step costs only its own table)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -135,8 +136,8 @@ def check_kernels(device: torch.device) -> None:
     # Decode-only steps, as the graphs run them: long contexts, many rows. Timed 20 calls at a
     # time, so a call's launch overhead (~0.1 ms from Python) is in the number: a lower bound of
     # what the kernel can show, not the kernel alone.
-    print("\n| decode step (keys each) | triton ms | torch ms |")
-    print("|---|---|---|")
+    print("\n| decode step (keys each) | split-K segments | triton ms | triton ms unsplit | torch ms |")
+    print("|---|---|---|---|---|")
     for rows, ctx in ((1, 4096), (1, 32768), (32, 1024), (256, 256)):
         step, q, k, v, cache = random_step(device, torch.bfloat16 if device.type == "cuda" else torch.float32, 32,
                                            8, decodes=rows, prefills=0, fixed_ctx=ctx, seed=1)
@@ -144,12 +145,17 @@ def check_kernels(device: torch.device) -> None:
         backend, why = try_backend("triton" if device.type == "cuda" else "torch", device, q.dtype, 16, 64, None,
                                    32, 8)
         if backend is None:
-            print(f"| {rows} x ~{ctx} | {why} | |")
+            print(f"| {rows} x ~{ctx} | {why} | | | |")
             continue
         meta, rmeta = backend.build_metadata(step, None), ref.build_metadata(step, None)
+        whole = dataclasses.replace(meta, num_splits=1) if hasattr(meta, "num_splits") else meta
+        want = ref.forward(q, k, v, cache.clone(), rmeta, 0.125).float()
+        diff = (backend.forward(q, k, v, cache.clone(), meta, 0.125).float() - want).abs().max().item()
         t = time_call(lambda: backend.forward(q, k, v, cache, meta, 0.125), device)
+        t1 = time_call(lambda: backend.forward(q, k, v, cache, whole, 0.125), device)
         r = time_call(lambda: ref.forward(q, k, v, cache, rmeta, 0.125), device)
-        print(f"| {rows} x {ctx} | {t:.3f} | {r:.3f} |", flush=True)
+        print(f"| {rows} x {ctx} | {getattr(meta, 'num_splits', 1)} (max diff {diff:.1e}) | {t:.3f} | {t1:.3f} | "
+              f"{r:.3f} |", flush=True)
 
 
 # ---- correctness -------------------------------------------------------------------------------

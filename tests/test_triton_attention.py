@@ -23,7 +23,8 @@ from engine.worker import backends  # noqa: E402
 from engine.worker.attention import StepAttention  # noqa: E402
 from engine.worker.backends import select_backend  # noqa: E402
 from engine.worker.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
-from engine.worker.backends.triton_attn import TritonBackend, graph_metadata, tile_map  # noqa: E402
+from engine.worker.backends.triton_attn import (  # noqa: E402
+    MIN_SPLIT_KEYS, TritonBackend, decode_splits, graph_metadata, tile_map)
 from engine.worker.cuda_graphs import capture_sizes, padded_size, why_not_captured  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -51,15 +52,18 @@ def random_step(requests, block_size, num_heads, num_kv_heads, head_dim, dtype, 
     return step, q, k, v, cache
 
 
-def compare(step, q, k, v, cache, groups, window, softcap, dtype):
+def compare(step, q, k, v, cache, groups, window, softcap, dtype, target_programs=0):
     head_dim = q.shape[-1]
-    reference, backend = TorchSDPABackend(), TritonBackend(groups, head_dim)
+    reference, backend = TorchSDPABackend(), TritonBackend(groups, head_dim, cache.shape[3])
+    backend.target_programs = target_programs  # > 0: decodes may split their keys (split-K)
     want_cache, got_cache = cache.clone(), cache.clone()
     want = reference.forward(q, k, v, want_cache, reference.build_metadata(step, window), head_dim ** -0.5, softcap)
-    got = backend.forward(q, k, v, got_cache, backend.build_metadata(step, window), head_dim ** -0.5, softcap)
+    meta = backend.build_metadata(step, window)
+    got = backend.forward(q, k, v, got_cache, meta, head_dim ** -0.5, softcap)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert torch.equal(got_cache, want_cache)  # the KV write puts every new token where torch does
+    return meta
 
 
 request_lists = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 20)), min_size=1, max_size=4)
@@ -86,21 +90,64 @@ def test_triton_decode_batches_match_torch(contexts, groups, window):
     compare(step, q, k, v, cache, groups, window, None, torch.float32)
 
 
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(contexts=st.lists(st.integers(0, 2 * MIN_SPLIT_KEYS + 40), min_size=1, max_size=3),
+       groups=st.sampled_from([1, 3]), window=st.sampled_from([None, 40, 300]), softcap=st.sampled_from([None, 10.0]),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16))
+def test_split_k_decodes_match_torch(contexts, groups, window, softcap, dtype, seed):
+    """Long decodes too few to fill the device split their keys into segments merged after:
+    contexts from empty (a graph's padding row) to past two segments, windows inside and across."""
+    step, q, k, v, cache = random_step([(c, 1) for c in contexts], 16, 2 * groups, 2, 32, dtype, seed)
+    meta = compare(step, q, k, v, cache, groups, window, softcap, dtype, target_programs=64)
+    longest = max(contexts) + 1
+    assert meta.num_splits == decode_splits(len(contexts), 2, longest, 64)
+    assert (meta.num_splits > 1) == (longest >= 2 * MIN_SPLIT_KEYS)
+
+
+def test_split_k_segments_are_sized_from_each_context():
+    """A graph's split count is fixed at capture; a replayed context shorter than the segments
+    leaves the trailing ones empty, and their merge weight is zero (no NaN from an empty one)."""
+    from engine.worker.backends.triton_kernels import paged_attention
+    step, q, k, v, cache = random_step([(0, 1), (5, 1), (70, 1)], 16, 4, 2, 32, torch.float32, 11)
+    backend = TritonBackend(2, 32, 2)
+    meta = backend.build_metadata(step, None)
+    write = cache.clone()
+    backend._kernels.write_kv(write, k, v, meta.slot_mapping)
+    args = (q, write[0], write[1])
+    rest = (meta.block_table, meta.query_start, meta.seq_lens, meta.tile_req, meta.tile_q, 1, 32 ** -0.5, None,
+            None, 32)
+    whole = paged_attention(*args, torch.empty_like(q), *rest, num_splits=1)
+    for splits in (2, 8, 16):
+        split = paged_attention(*args, torch.empty_like(q), *rest, num_splits=splits)
+        torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_splits_fill_the_device_and_no_more():
+    assert decode_splits(1, 8, 4096, 264) == 16                      # one long stream: every segment used
+    assert decode_splits(1, 8, 1024, 264) == 4                       # capped by MIN_SPLIT_KEYS per segment
+    assert decode_splits(4, 8, 8192, 264) == 8                       # 32 programs -> 8 x 32 = 256
+    assert decode_splits(64, 8, 8192, 264) == 1                      # the batch fills the device
+    assert decode_splits(1, 8, MIN_SPLIT_KEYS * 2 - 1, 264) == 1     # too short to pay for a merge
+    assert decode_splits(3, 2, 100_000, 0) == 1                      # CPU (interpreted): never
+
+
 def test_tile_map_covers_every_query_once():
     req, first = tile_map(np.array([1, 33, 16, 17], dtype=np.int32), 16)
     assert req.tolist() == [0, 1, 1, 1, 2, 3, 3]
     assert first.tolist() == [0, 0, 16, 32, 0, 0, 16]
 
 
-def test_graph_padding_rows_write_nothing_and_leave_real_rows_alone():
+@pytest.mark.parametrize("splits", [1, 4])
+def test_graph_padding_rows_write_nothing_and_leave_real_rows_alone(splits):
     """The graph's metadata over persistent buffers: rows past the real ones (slot -1, context 0)
-    write no KV and do not change the real rows' output."""
+    write no KV and do not change the real rows' output; split-K too (every segment of a padding
+    row is empty: zeros, not NaN)."""
     step, q, k, v, cache = random_step([(20, 1), (3, 1)], 16, 4, 2, 32, torch.float32, 3)
     backend = TritonBackend(2, 32)
     eager_cache = cache.clone()
     eager = backend.forward(q, k, v, eager_cache, backend.build_metadata(step, None), 32 ** -0.5)
 
-    buffers, metas_for = graph_metadata(8, 4, CPU, (None,))
+    buffers, metas_for = graph_metadata(8, 4, CPU, (None,), lambda rows: splits)
     rows, size = 2, 4
     buffers["slot_mapping"][:rows] = step.slot_mapping
     buffers["seq_lens"][:rows] = torch.from_numpy(step.seq_lens)

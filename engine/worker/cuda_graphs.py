@@ -60,12 +60,14 @@ def why_not_captured(config, device: torch.device, backend_name: str) -> str | N
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, windows, max_size: int, max_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, backend) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.sizes = capture_sizes(max_size)
         self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)
-        self.buffers, self._metas_for = graph_metadata(max_size, max_blocks, device, windows)
+        longest = max_blocks * kv_caches.shape[3]  # [layers, 2, blocks, block_size, ...]: any context may replay
+        self.buffers, self._metas_for = graph_metadata(max_size, max_blocks, device, windows,
+                                                       lambda rows: backend.splits_for(rows, longest, device))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
         held_before = torch.cuda.memory_reserved(device)  # this process's, whatever others allocate meanwhile

@@ -157,7 +157,7 @@ class ModelRunner:
             with torch.inference_mode():
                 return DecodeGraphs(self.model, self.kv_caches, self.model_config.attention_windows,
                                     min(self.config.max_capture_size, self.config.max_num_seqs),
-                                    self.batch.max_blocks, self.device)
+                                    self.batch.max_blocks, self.device, self.backend)
         except Exception:  # an op that cannot be captured: serve eagerly rather than not at all
             logger.exception("capturing the decode CUDA graphs failed; decode steps run eagerly")
             torch.cuda.synchronize(self.device)

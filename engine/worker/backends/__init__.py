@@ -66,10 +66,10 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, head
     return None
 
 
-def _instance(name: str, block_size: int, groups: int, head_dim: int):
+def _instance(name: str, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
     if name == "triton":
         from engine.worker.backends.triton_attn import TritonBackend
-        return TritonBackend(groups, head_dim)
+        return TritonBackend(num_heads // num_kv_heads, head_dim, num_kv_heads)
     if name == "flash_attn":
         from engine.worker.backends.flash_attn import FlashAttnBackend
         return FlashAttnBackend(block_size)
@@ -91,7 +91,7 @@ def try_backend(name: str, device: torch.device, dtype: torch.dtype, block_size:
     if reason is not None:
         return None, reason
     try:
-        backend = _instance(name, block_size, num_heads // num_kv_heads, head_dim)
+        backend = _instance(name, block_size, num_heads, num_kv_heads, head_dim)
     except Exception as exc:  # an extension that does not import
         return None, f"loading it raised {type(exc).__name__}: {str(exc).strip()[:300]}"
     if name == "torch":

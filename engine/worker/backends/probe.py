@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-# Two steps of (cached, new) tokens per request: a mixed one (a chunk over context that spans
-# several key blocks and query tiles, a decode, a fresh prefill) and a decode-only one (the
-# shape every pure decode step and CUDA graph runs). Sliding windows are probed at most
+# Steps of (cached, new) tokens per request: a mixed one (a chunk over context that spans
+# several key blocks and query tiles, a decode, a fresh prefill), a decode-only one (the shape
+# every pure decode step and CUDA graph runs) and one long decode (alone on a GPU it splits its
+# keys: triton's split-K). Sliding windows are probed at most
 # PROBE_WINDOW wide, so that they cut into these contexts (the window is a runtime argument:
 # the same compiled kernel serves the model's own width).
-PROBE_STEPS = (((70, 40), (45, 1), (0, 7)), ((90, 1), (3, 1), (33, 1)))
+PROBE_STEPS = (((70, 40), (45, 1), (0, 7)), ((90, 1), (3, 1), (33, 1)), ((600, 1),))
 PROBE_WINDOW = 8
 
 

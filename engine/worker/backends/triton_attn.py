@@ -19,6 +19,8 @@ from engine.worker.backends.layout import kv_cache_shape
 DECODE_BLOCK_N = 32   # keys per iteration when every query is a decode
 PREFILL_BLOCK_N = 32
 MAX_TILE_ELEMENTS = 64 * 128  # rows x head dim of a tile's float32 accumulator (registers)
+MIN_SPLIT_KEYS = 256  # split-K: a segment of fewer keys saves less than its merge costs
+MAX_SPLITS = 16
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class TritonMetadata:
     block_q: int                # queries per tile
     block_n: int
     sliding_window: int | None
+    num_splits: int = 1         # split-K segments per decode (triton_kernels.py)
 
 
 def prefill_block_q(groups: int, head_dim: int) -> int:
@@ -40,6 +43,24 @@ def prefill_block_q(groups: int, head_dim: int) -> int:
     x group heads) times the head dim within MAX_TILE_ELEMENTS, at most 16."""
     head_pad = 1 << (head_dim - 1).bit_length()
     return max(1, min(16, MAX_TILE_ELEMENTS // head_pad // groups))
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, longest: int, target_programs: int) -> int:
+    """Split-K segments for a decode step: enough that (requests x kv heads x segments) reaches
+    ``target_programs`` (about two per streaming multiprocessor), each segment at least
+    MIN_SPLIT_KEYS of the longest context; a power of two, at most MAX_SPLITS; 1 when the batch
+    alone fills the device."""
+    programs = num_reqs * num_kv_heads
+    if programs >= target_programs:
+        return 1
+    splits = min(MAX_SPLITS, -(-target_programs // programs), longest // MIN_SPLIT_KEYS)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
+
+
+def target_programs(device: torch.device) -> int:
+    """Programs a decode's attention should launch to fill ``device``: two per streaming
+    multiprocessor on CUDA; 0 (never split) on CPU, where Triton only runs interpreted."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def tile_map(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
@@ -54,11 +75,18 @@ class TritonBackend:
     name = "triton"
     kv_cache_shape = staticmethod(kv_cache_shape)
 
-    def __init__(self, groups: int, head_dim: int) -> None:
+    def __init__(self, groups: int, head_dim: int, num_kv_heads: int = 1) -> None:
         from engine.worker.backends import triton_kernels  # imports triton: only when selected
         self._kernels = triton_kernels
         self.groups = groups
+        self.num_kv_heads = num_kv_heads
         self.prefill_block_q = prefill_block_q(groups, head_dim)
+        self.target_programs: int | None = None  # target_programs(device), on the first step
+
+    def splits_for(self, num_reqs: int, longest: int, device: torch.device) -> int:
+        if self.target_programs is None:
+            self.target_programs = target_programs(device)
+        return decode_splits(num_reqs, self.num_kv_heads, longest, self.target_programs)
 
     def build_metadata(self, step: StepAttention, sliding_window: int | None) -> TritonMetadata:
         decode_only = bool((step.query_lens <= 1).all())
@@ -73,7 +101,8 @@ class TritonBackend:
         return TritonMetadata(
             step.num_tokens, step.slot_mapping, dev[at[4]:].view(table.shape), dev[at[0]:at[1]], dev[at[1]:at[2]],
             dev[at[2]:at[3]], dev[at[3]:at[4]], block_q, DECODE_BLOCK_N if decode_only else PREFILL_BLOCK_N,
-            sliding_window)
+            sliding_window,
+            self.splits_for(num_reqs, int(step.seq_lens.max(initial=0)), step.device) if decode_only else 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
@@ -84,7 +113,7 @@ class TritonBackend:
         out = torch.empty_like(q)
         return kernels.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_table,
                                        meta.query_start, meta.seq_lens, meta.tile_req, meta.tile_q, meta.block_q,
-                                       scale, softcap, meta.sliding_window, meta.block_n)
+                                       scale, softcap, meta.sliding_window, meta.block_n, meta.num_splits)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -93,10 +122,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def graph_metadata(max_rows: int, max_blocks: int, device: torch.device, windows) -> tuple[dict, dict]:
+def graph_metadata(max_rows: int, max_blocks: int, device: torch.device, windows,
+                   splits_for=lambda rows: 1) -> tuple[dict, dict]:
     """Persistent buffers for decode graphs of up to ``max_rows`` requests, and ``metas_for(rows)``:
     the metadata (per window) of a decode step of ``rows`` requests over their leading slices, so
-    a replay sees whatever was copied in last. The graph fills 'slot_mapping' [max_rows] int64,
+    a replay sees whatever was copied in last; ``splits_for(rows)``: its split-K segments, fixed at
+    capture (the kernel sizes each segment from the replayed context). The graph fills 'slot_mapping' [max_rows] int64,
     'seq_lens' [max_rows] int32 and 'block_table' [max_rows, max_blocks] int32; 'query_start'
     (0..max_rows) and the tile map (tile i: request i, query 0) are constant."""
     buffers = {
@@ -111,6 +142,7 @@ def graph_metadata(max_rows: int, max_blocks: int, device: torch.device, windows
     def metas_for(rows: int) -> dict:
         return {window: TritonMetadata(rows, buffers["slot_mapping"][:rows], buffers["block_table"][:rows],
                                        buffers["query_start"][:rows + 1], buffers["seq_lens"][:rows],
-                                       buffers["tiles"][:rows], buffers["zeros"][:rows], 1, DECODE_BLOCK_N, window)
+                                       buffers["tiles"][:rows], buffers["zeros"][:rows], 1, DECODE_BLOCK_N, window,
+                                       splits_for(rows))
                 for window in windows}
     return buffers, metas_for

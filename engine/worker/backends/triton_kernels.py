@@ -16,6 +16,13 @@ Keys are read BLOCK_N at a time, each through its block's id, with an online sof
 float32. A request with no context (seq_len 0: the padding rows of a captured CUDA graph)
 writes zeros.
 
+Split-K (``num_splits`` > 1, for decodes too few to fill the GPU: one long sequence has only
+num_kv_heads programs): a third grid axis cuts each tile's keys into that many segments of whole
+BLOCK_N's, sized from the tile's own key count (so a captured graph's fixed split count fits any
+context: a short one leaves trailing segments empty). Each segment writes its unnormalised
+accumulator with its running max and sum; ``_merge_splits`` rescales them to a common max and
+divides once. An empty segment has max -inf and sum 0 and weighs nothing.
+
 Runs on CUDA, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how
 CI tests it against the torch reference without a GPU.
 """
@@ -28,15 +35,16 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention(
-    Q, K, V, Out, block_table, query_start, seq_lens, tile_req, tile_q,
+    Q, K, V, Out, PartAcc, PartMax, PartSum, block_table, query_start, seq_lens, tile_req, tile_q,
     scale, softcap, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     req = tl.load(tile_req + tile)
     q_first = tl.load(tile_q + tile)  # this tile's first query, within its request
     q_begin = tl.load(query_start + req)
@@ -61,6 +69,10 @@ def _paged_attention(
     if USE_WINDOW:
         lo = tl.maximum(context + q_first - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:  # this program's segment: whole BLOCK_N's, so every segment starts aligned
+        segment = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * segment
+        hi = tl.minimum(hi, lo + segment)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -90,9 +102,32 @@ def _paged_attention(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # partials [token, head, split(, dim)], contiguous
+        part = (token * (GROUPS * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(PartAcc + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(PartMax + part, m_i, mask=row_ok)
+        tl.store(PartSum + part, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(PartAcc, PartMax, PartSum, Out, stride_ot, stride_oh,
+                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """One (token, head): its segments' accumulators brought to their common max and summed."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(PartMax + part)
+    m_top = tl.max(m, 0)
+    weight = tl.exp(m - tl.where(m_top == float("-inf"), 0.0, m_top))  # an empty segment: exp(-inf) = 0
+    total = tl.sum(tl.load(PartSum + part) * weight, 0)
+    dims = tl.arange(0, HEAD_PAD)
+    acc = tl.load(PartAcc + part[:, None] * HEAD_DIM + dims[None, :], mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + token * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 @triton.jit
@@ -116,23 +151,36 @@ def tile_rows(groups: int, block_q: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                     tile_req: torch.Tensor, tile_q: torch.Tensor, block_q: int, scale: float,
-                    softcap: float | None, window: int | None, block_n: int) -> torch.Tensor:
+                    softcap: float | None, window: int | None, block_n: int, num_splits: int = 1) -> torch.Tensor:
     """q, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, page, num_kv_heads,
     head_dim] (last two dims contiguous); block_table: [num_reqs, max_blocks] int32; query_start:
-    [num_reqs + 1] int32; seq_lens: [num_reqs] int32; tile_req, tile_q: [num_tiles] int32."""
+    [num_reqs + 1] int32; seq_lens: [num_reqs] int32; tile_req, tile_q: [num_tiles] int32;
+    num_splits: a power of two, segments per tile's keys (split-K)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     groups = num_heads // num_kv_heads
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 attention stays fp32 (no TF32)
-    grid = (tile_req.shape[0], num_kv_heads)
+    num_tokens = q.shape[0]
+    grid = (tile_req.shape[0], num_kv_heads, num_splits)
+    if num_splits > 1:  # float32 partials; allocated per call (inside a graph: from its private pool)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # not read
     _paged_attention[grid](
-        q, k_cache, v_cache, out, block_table, query_start, seq_lens, tile_req, tile_q,
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, block_table, query_start, seq_lens, tile_req, tile_q,
         scale, softcap or 1.0, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         GROUPS=groups, BLOCK_Q=block_q, BLOCK_M=tile_rows(groups, block_q), BLOCK_N=block_n, PAGE=page,
         HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
-        USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, PRECISION=precision)
+        USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, PRECISION=precision,
+        NUM_SPLITS=num_splits)
+    if num_splits > 1 and num_tokens:
+        _merge_splits[(num_tokens, num_heads)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+                                               NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+                                               HEAD_PAD=triton.next_power_of_2(head_dim))
     return out
 
 
