@@ -25,6 +25,7 @@ import torch
 
 from engine.worker.attention import StepAttention
 from engine.worker.backends.triton_attn import graph_metadata
+from engine.worker.host_to_device import HostToDevice
 
 logger = logging.getLogger("engine.worker")
 
@@ -69,6 +70,7 @@ class DecodeGraphs:
         self.buffers, self._metas_for = graph_metadata(max_size, max_blocks, device, windows,
                                                        lambda rows: backend.splits_for(rows, longest, device))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._to_device = HostToDevice(device)
         start = time.perf_counter()
         held_before = torch.cuda.memory_reserved(device)  # this process's, whatever others allocate meanwhile
         pool = torch.cuda.graph_pool_handle()
@@ -101,9 +103,10 @@ class DecodeGraphs:
         buf["slot_mapping"][rows:size].fill_(-1)
         lengths = np.zeros(size, dtype=np.int32)
         lengths[:rows] = step.seq_lens
-        buf["seq_lens"][:size].copy_(torch.from_numpy(lengths))
         table = step.block_table
-        buf["block_table"][:rows, :table.shape[1]].copy_(torch.from_numpy(table))
+        lengths, table = self._to_device.send(lengths, table.astype(np.int32, copy=False))  # one async copy
+        buf["seq_lens"][:size].copy_(lengths)
+        buf["block_table"][:rows, :table.shape[1]].copy_(table)
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[:rows]

@@ -16,6 +16,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.worker.attention import StepAttention, token_positions
+from engine.worker.host_to_device import HostToDevice
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class InputBatch:
         pages of 2 MiB where numpy asks for them): like vLLM's, the token array costs up to
         rows x max_model_len x 4 bytes once that many rows have been used."""
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
+        self._to_device = HostToDevice(device)
         self.max_blocks = -(-max_model_len // block_size)
         self.states: list[RowState] = []
         self.row_of: dict[str, int] = {}
@@ -135,7 +137,8 @@ class InputBatch:
         bs = self.block_size
         table = np.ascontiguousarray(self.block_table[rows, :-(-int(seq_lens.max()) // bs)])
         slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        step = StepAttention(q_lens, seq_lens, query_start, table, torch.from_numpy(slots).to(self.device), bs,
-                             self.device)
-        input_ids = torch.from_numpy(self.token_ids[row_of_token, positions].astype(np.int64)).to(self.device)
-        return StepInputs(input_ids, torch.from_numpy(positions).to(self.device), step, rows)
+        # One host->device copy (pinned, asynchronous on CUDA); the views live until the next step.
+        slot_mapping, input_ids, positions = self._to_device.send(
+            slots, self.token_ids[row_of_token, positions].astype(np.int64), positions)
+        step = StepAttention(q_lens, seq_lens, query_start, table, slot_mapping, bs, self.device)
+        return StepInputs(input_ids, positions, step, rows)

@@ -274,12 +274,26 @@ class Sampler:
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i.
         # Greedy rows in a mixed batch get ones: their token is replaced by the argmax anyway.
         noise = torch.empty_like(probs).exponential_() if meta.needs_global_noise else torch.ones_like(probs)
-        for row, seed in meta.seeded_rows:
-            gen = torch.Generator(device=probs.device).manual_seed(seed)
-            noise[row].exponential_(generator=gen)  # a view: fills the row in place
+        if meta.seeded_rows:
+            gen = _seeded_generator(probs.device)
+            for row, seed in meta.seeded_rows:
+                gen.manual_seed(seed)  # reseeded per row: its draw depends on (seed, position) alone
+                noise[row].exponential_(generator=gen)  # a view: fills the row in place
         # A zero draw would give 0 / 0 = nan for filtered tokens.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return probs.div(noise).argmax(dim=-1)
+
+
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+
+
+def _seeded_generator(device: torch.device) -> torch.Generator:
+    """One generator per device, reseeded for every seeded row (creating one per row per step
+    costs an allocation on CUDA each time)."""
+    gen = _GENERATORS.get(device)
+    if gen is None:
+        gen = _GENERATORS[device] = torch.Generator(device=device)
+    return gen
 
 
 def _gather_logprobs(

@@ -3,18 +3,20 @@ in place through the block table, one kernel launch per layer for the step's who
 (decodes and prefill chunks with cached context alike), and a Triton KV write. The kernels are
 in triton_kernels.py; this file turns a step into their metadata.
 
-The metadata's device tensors are int32 and come from one host→device copy per step. A CUDA
+The metadata's device tensors are int32 and come from one host→device copy per step (pinned and
+asynchronous on CUDA: host_to_device.py), shared by every sliding window of the step. A CUDA
 graph (engine/worker/cuda_graphs.py) instead keeps one ``TritonMetadata`` whose tensors are
 views of persistent buffers it refills before each replay (``graph_metadata``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from engine.worker.attention import StepAttention
 from engine.worker.backends.layout import kv_cache_shape
+from engine.worker.host_to_device import HostToDevice
 
 DECODE_BLOCK_N = 32   # keys per iteration when every query is a decode
 PREFILL_BLOCK_N = 32
@@ -82,6 +84,8 @@ class TritonBackend:
         self.num_kv_heads = num_kv_heads
         self.prefill_block_q = prefill_block_q(groups, head_dim)
         self.target_programs: int | None = None  # target_programs(device), on the first step
+        self._to_device: HostToDevice | None = None  # its views live until the next step's metadata
+        self._last: tuple[StepAttention, TritonMetadata] | None = None
 
     def splits_for(self, num_reqs: int, longest: int, device: torch.device) -> int:
         if self.target_programs is None:
@@ -89,6 +93,16 @@ class TritonBackend:
         return decode_splits(num_reqs, self.num_kv_heads, longest, self.target_programs)
 
     def build_metadata(self, step: StepAttention, sliding_window: int | None) -> TritonMetadata:
+        """The step's metadata for one window: built and copied once per step, whatever the
+        number of windows (the layers of a model with sliding windows ask once per window)."""
+        last = self._last
+        if last is not None and last[0] is step:
+            return replace(last[1], sliding_window=sliding_window)
+        meta = self._build(step, sliding_window)
+        self._last = (step, meta)
+        return meta
+
+    def _build(self, step: StepAttention, sliding_window: int | None) -> TritonMetadata:
         decode_only = bool((step.query_lens <= 1).all())
         block_q = 1 if decode_only else self.prefill_block_q
         tile_req, tile_q = tile_map(step.query_lens, block_q)
@@ -96,7 +110,9 @@ class TritonBackend:
         table = step.block_table
         # One host->device copy: [query_start | seq_lens | tile_req | tile_q | block_table].
         packed = np.concatenate([step.query_start, step.seq_lens, tile_req, tile_q, table.ravel()]).astype(np.int32)
-        dev = torch.from_numpy(packed).to(step.device, non_blocking=False)
+        if self._to_device is None or self._to_device.device != step.device:
+            self._to_device = HostToDevice(step.device)
+        dev, = self._to_device.send(packed)
         at = np.cumsum([0, num_reqs + 1, num_reqs, len(tile_req), len(tile_q)])
         return TritonMetadata(
             step.num_tokens, step.slot_mapping, dev[at[4]:].view(table.shape), dev[at[0]:at[1]], dev[at[1]:at[2]],
