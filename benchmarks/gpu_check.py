@@ -376,10 +376,23 @@ def check_pd(model: str, device: torch.device) -> None:
     llm = LLM(model, device=device.type, dtype="float32", num_blocks=1024)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    print("| prompt tokens | P->D tokens equal the offline engine's |")
-    print("|---|---|")
-    for p, o, s in zip(prompts, outs, served):
-        print(f"| {len(p)} | {list(o.outputs[0].token_ids) == s} |")
+    llm.shutdown()
+    # The same prompts through a CPU tier on the GPU: saved from device memory (pinned, off the
+    # step's stream), then loaded back by a second engine that shares no GPU blocks with it.
+    tier_dir = tempfile.mkdtemp(prefix="gpu-check-tier-")
+    tiered = []
+    for _ in range(2):
+        with LLM(model, device=device.type, dtype="float32", num_blocks=1024,
+                 kv_store=f"disk:{tier_dir}:2GiB") as tier_llm:
+            tiered.append(tier_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                            use_tqdm=False))
+    shutil.rmtree(tier_dir, ignore_errors=True)
+    print("| prompt tokens | P->D tokens equal the offline engine's | disk tier save, then load: equal |")
+    print("|---|---|---|")
+    for p, o, s, t in zip(prompts, outs, served, tiered[1]):
+        print(f"| {len(p)} | {list(o.outputs[0].token_ids) == s} | "
+              f"{list(o.outputs[0].token_ids) == list(t.outputs[0].token_ids)} |")
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.kv_transfer.base import LoadBook, contiguous_runs, queued
+from engine.kv_transfer.device_copies import off_step_stream
 from engine.kv_transfer.p2p import LoadSpec, P2PMetadata, ReleaseSpec, RenewSpec
 from engine.kv_transfer.p2p_peers import Peer, PeerCache, close_monitored, monitored_socket
 from engine.kv_transfer.p2p_wire import (
@@ -337,7 +338,8 @@ class P2PConsumer:
     def _copy_blocks(self, peer_kv: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """One copy per run of consecutive blocks, straight from the peer's tensor into ours."""
         for src, dst, n in contiguous_runs(src_blocks, dst_blocks):
-            self.kv[:, :, dst:dst + n].copy_(peer_kv[:, :, src:src + n])
+            with off_step_stream(self.kv.device):
+                self.kv[:, :, dst:dst + n].copy_(peer_kv[:, :, src:src + n])
 
     def _receive_chunks(self, peer: Peer, job: LoadSpec, transfer_id: str, chunk: Chunk, frames) -> str | None:
         dst = torch.tensor(job.block_ids, dtype=torch.int64, device=self.kv.device)
@@ -361,8 +363,9 @@ class P2PConsumer:
             if problem is not None:
                 return f"frame rejected: {problem}"
             raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
-            data = raw.view(self.kv.dtype).view(expected_shape).to(self.kv.device)
-            self.kv.index_copy_(2, dst[done_blocks:done_blocks + chunk.num_blocks], data)
+            with off_step_stream(self.kv.device):
+                data = raw.view(self.kv.dtype).view(expected_shape).to(self.kv.device)
+                self.kv.index_copy_(2, dst[done_blocks:done_blocks + chunk.num_blocks], data)
             done_blocks += chunk.num_blocks
             expected_seq += 1
             if expected_seq == chunk.num_chunks:

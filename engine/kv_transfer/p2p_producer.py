@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from engine.kv_transfer.device_copies import host_buffer, off_step_stream
 from engine.kv_transfer.p2p import MAX_LEASES_HELD, SendSpec, ipc_path, remove_stale_kv_sockets
 from engine.kv_transfer.p2p_wire import (
     DEFAULT_CHUNK_BYTES, FRAME_SLACK_BYTES, NO_AUTH_SECRET, NONCE_BYTES, PROTOCOL_VERSION, Auth, Challenge, Chunk,
@@ -137,7 +138,7 @@ class P2PProducer:
         self.kv, self.shm_path = kv, shm_path
         self.layout = ChunkLayout.of(kv, self.chunk_bytes)
         slot_bytes = self.layout.slot_bytes
-        staging = torch.empty(2 * MAX_SOCKET_SENDS * slot_bytes, dtype=torch.uint8)
+        staging = host_buffer(2 * MAX_SOCKET_SENDS * slot_bytes, self.kv.device)
         self._free = [_Slot(staging[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(2 * MAX_SOCKET_SENDS)]
         self._thread.start()
         if not self._ready.wait(10):
@@ -501,7 +502,8 @@ class P2PProducer:
         if self.kv.device.type == "cpu":
             torch.index_select(self.kv, 2, index, out=out)
         else:
-            out.copy_(self.kv.index_select(2, index))
+            with off_step_stream(self.kv.device):  # into pinned staging, beside the running step
+                out.copy_(self.kv.index_select(2, index), non_blocking=True)
         return out
 
     def _release_kv(self, t: _SocketSend) -> None:

@@ -32,6 +32,7 @@ import torch
 
 from engine import timeline
 from engine.kv_transfer.base import KVConnectorWorker, LoadBook, contiguous_runs, queued
+from engine.kv_transfer.device_copies import host_buffer, off_step_stream
 from engine.kv_transfer.stores.base import KVStore
 from engine.kv_transfer.tier_events import TierEvents
 from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
@@ -188,6 +189,17 @@ class TieredConnectorWorker(KVConnectorWorker):
         if lease:
             unpins.append(lease)
 
+    def _copy_out(self, index: torch.Tensor) -> torch.Tensor:
+        """Blocks ``index`` of every layer, copied to host memory (pinned, off the step's stream)."""
+        if self.kv.device.type == "cpu":
+            return self.kv.index_select(2, index)
+        shape = (self.kv.shape[0], self.kv.shape[1], len(index), *self.kv.shape[3:])
+        chunk = host_buffer(self.kv.element_size() * self.kv[:, :, :1].numel() * len(index), self.kv.device)
+        chunk = chunk.view(self.kv.dtype).view(shape)
+        with off_step_stream(self.kv.device):
+            chunk.copy_(self.kv.index_select(2, index), non_blocking=True)
+        return chunk
+
     def save_kv(self, metadata: TieredMetadata | None) -> None:
         if metadata is None:
             return
@@ -196,7 +208,7 @@ class TieredConnectorWorker(KVConnectorWorker):
         for save in metadata.saves:
             # A copy now, while the blocks surely hold this chunk; everything slower happens later.
             index = torch.tensor(save.block_ids, dtype=torch.int64, device=self.kv.device)
-            chunk = self.kv.index_select(2, index).cpu()
+            chunk = self._copy_out(index)
             events = self.events if save.names is not None else None
             if self._cpu_tier is not None:
                 if events is not None:
@@ -332,8 +344,9 @@ class TieredConnectorWorker(KVConnectorWorker):
             if kv.shape[2] < chunk.first_block + len(chunk.block_ids):
                 return f"miss: chunk {chunk.key[:12]} holds {kv.shape[2]} blocks, fewer than asked"
             src = list(range(chunk.first_block, chunk.first_block + len(chunk.block_ids)))
-            for s, d, n in contiguous_runs(src, chunk.block_ids):
-                self.kv[:, :, d:d + n].copy_(kv[:, :, s:s + n])
+            with off_step_stream(self.kv.device):
+                for s, d, n in contiguous_runs(src, chunk.block_ids):
+                    self.kv[:, :, d:d + n].copy_(kv[:, :, s:s + n])
         return None
 
     # ---- saver thread --------------------------------------------------------------------
