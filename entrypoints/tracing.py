@@ -83,9 +83,19 @@ def shutdown() -> None:
     _tracer = _provider = None
 
 
+OFFSET_REFRESH_S = 10.0
+_offset = (float("-inf"), 0)  # (when taken, wall clock minus monotonic clock in ns)
+
+
 def wall_ns(monotonic: float) -> int:
-    """A time.monotonic() of this host as the wall-clock nanoseconds spans are stamped with."""
-    return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
+    """A time.monotonic() of this host as the wall-clock nanoseconds spans are stamped with. One
+    offset between the clocks, re-read every OFFSET_REFRESH_S (each reading of the two clocks
+    differs by a little: converting every time with a fresh one would misorder adjacent spans)."""
+    global _offset
+    now = time.monotonic()
+    if now - _offset[0] > OFFSET_REFRESH_S:
+        _offset = (now, time.time_ns() - time.monotonic_ns())
+    return _offset[1] + int(monotonic * 1e9)
 
 
 def _context(headers) -> Any:
