@@ -32,6 +32,7 @@ def native_extensions() -> tuple[list, dict]:
 
 
 ext_modules, cmdclass = native_extensions()
+OTEL = ["opentelemetry-api>=1.26", "opentelemetry-sdk>=1.26", "opentelemetry-exporter-otlp-proto-http>=1.26"]
 
 setup(
     name="engine",
@@ -69,8 +70,11 @@ setup(
     ],
     extras_require={
         # triton: its interpreter runs the CUDA path's Triton kernels on CPU (TRITON_INTERPRET=1).
+        # opentelemetry: the tracing tests export spans to a receiver of their own.
         "test": ["pytest>=8", "openai>=1.40", "pytest-timeout", "matplotlib", "hypothesis>=6.170,<7",
-                 "schemathesis==4.32.5", "jsonschema>=4", "triton>=3.6"],
+                 "schemathesis==4.32.5", "jsonschema>=4", "triton>=3.6", *OTEL],
+        # --otlp-traces-endpoint (entrypoints/tracing.py): spans over OTLP/HTTP.
+        "otel": OTEL,
         "cuda": ["flash-attn", "xformers"],
         "ray": ["ray[serve]==2.60.0"],
     },

@@ -70,7 +70,8 @@ class EngineCoreProc:
                                             f"(--max-queue-len {self.max_queue_len}); try again later")
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                    kv_transfer_params=msg.kv_transfer_params, cache_salt=msg.cache_salt)
+                                    kv_transfer_params=msg.kv_transfer_params, cache_salt=msg.cache_salt,
+                                    traced=msg.traced)
         except InvalidRequestError as exc:
             return Ack(msg.request_id, 400, str(exc), exc.param)
         except PrefillElsewhere as exc:

@@ -27,6 +27,7 @@ from engine.ipc import (IPC_DIR_PREFIX, AbortRequests, Ack, AddRequest, EngineDe
 from engine.kv_transfer.params import KVTransferParams
 from engine.output_processor import OutputKind, OutputProcessor
 from engine.outputs import RequestOutput
+from engine.request_trace import SequenceTrace
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine.client")
@@ -65,6 +66,7 @@ class RequestDelta(msgspec.Struct):
     queue_time: float | None = None
     # Per prompt token (None for the first) its entry, sampled-first order (once per stream).
     prompt_logprobs: list[list[LogprobEntry] | None] | None = None
+    traces: dict[int, SequenceTrace] | None = None  # a traced request's, by sequence index
 
     @classmethod
     def of(cls, out: RequestOutput) -> RequestDelta:
@@ -79,7 +81,7 @@ class RequestDelta(msgspec.Struct):
         prompt_logprobs = (None if out.prompt_logprobs is None else
                            [None if entry is None else entries(entry) for entry in out.prompt_logprobs])
         return cls(out.request_id, choices, out.finished, out.num_cached_tokens, out.kv_transfer_params,
-                   out.error, out.queue_time, prompt_logprobs)
+                   out.error, out.queue_time, prompt_logprobs, out.traces)
 
 
 class EngineRequestError(Exception):
@@ -218,16 +220,18 @@ class AsyncEngineClient:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           kv_transfer_params: KVTransferParams | None = None,
-                          first_tokens_shown: bool = False, cache_salt: str | None = None) -> "RequestStream":
+                          first_tokens_shown: bool = False, cache_salt: str | None = None,
+                          traced: bool = False) -> "RequestStream":
         """Queue a request and wait for the engine to accept it (raises EngineRequestError
-        with the HTTP status when it refuses). The caller must close() the stream."""
+        with the HTTP status when it refuses). The caller must close() the stream. ``traced``: the
+        deltas carry the core's record of its phases (RequestDelta.traces)."""
         if self.dead is not None:
             raise EngineDeadError(f"engine error: {self.dead.splitlines()[0]}")
         if request_id in self._queues:
             raise EngineRequestError(400, f"request id {request_id!r} is already in use", "request_id")
         try:
             message = self._encoder.encode(AddRequest(request_id, prompt_token_ids, params, time.time(),
-                                                      kv_transfer_params, cache_salt))
+                                                      kv_transfer_params, cache_salt, traced))
         except (OverflowError, TypeError, ValueError) as exc:  # validated upstream; a last line of defence
             raise EngineRequestError(400, f"the request cannot be passed to the engine: {exc}") from None
         # Registered before the core can answer: its first outputs may come with the ack.

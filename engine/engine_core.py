@@ -232,12 +232,14 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None,
-                    kv_transfer_params: KVTransferParams | dict | None = None, cache_salt: str | None = None) -> None:
+                    kv_transfer_params: KVTransferParams | dict | None = None, cache_salt: str | None = None,
+                    traced: bool = False) -> None:
         """Queue a request of ``params.n`` sequences. Raises InvalidRequestError (a ValueError)
         for a bad one, or PrefillElsewhere; then nothing was queued. With
         ``kv_transfer_params.first_token_ids`` (from a prefill instance) each sequence continues
         from its first token, which goes out with the next step marked ``from_prefill``.
-        ``cache_salt``: its KV is shared only with requests of the same salt (block_pool.salted_root)."""
+        ``cache_salt``: its KV is shared only with requests of the same salt (block_pool.salted_root).
+        ``traced``: its outputs carry the trace of its phases (engine/request_trace.py)."""
         try:
             kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
             check_kv_transfer_params_signature(kv_transfer_params, self.config.kv_secret)
@@ -284,7 +286,7 @@ class EngineCore:
                 seed=(params.seed + index + 2**63) % 2**64 - 2**63)
             request = Request(seq_id, prompt_token_ids, seq_params, self.eos_token_ids, max_tokens,
                               self.block_hasher, arrival_time, hands_off=hands_off, grammar=grammars[index],
-                              cache_salt=cache_salt)
+                              cache_salt=cache_salt, traced=traced)
             if first_tokens is None or not self._start_from_first_token(request, *first_tokens[index]):
                 requests.append(request)
         # The n samples share one prompt, so one KV transfer: the first running sample pulls it

@@ -77,6 +77,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     arrival_time: float
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
+    traced: bool = False  # the front end traces it: its outputs carry engine/request_trace.py's record
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -23,6 +23,7 @@ from engine.kv_transfer.secret import KVSecret
 from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
 from engine.request import RequestStatus
 from engine.request_ids import sequence_id
+from engine.request_trace import SequenceTrace
 from engine.sampling_params import SamplingParams
 from engine.stop_strings import StopStrings
 
@@ -80,6 +81,9 @@ class _Request:
     # of the n computes the same prompt); a stream sends them once.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    # A traced request's sequences' latest traces (engine/request_trace.py), by sequence index:
+    # sent with each output that has a new one.
+    traces: dict[int, SequenceTrace] | None = None
 
     @property
     def finished(self) -> bool:
@@ -184,6 +188,8 @@ class OutputProcessor:
             request.error = out.error
         if request.queue_time is None:
             request.queue_time = out.queue_time
+        if out.trace is not None:
+            request.traces = {**(request.traces or {}), seq.index: out.trace}
         if out.prompt_logprobs is not None and request.prompt_logprobs is None:
             request.prompt_logprobs = [None if e is None else self._decoded(e) for e in out.prompt_logprobs]
         seq.token_ids.extend(out.new_token_ids)
@@ -266,8 +272,10 @@ class OutputProcessor:
         kv = request.kv_transfer_params if finished else None
         prompt_logprobs = None if delta and request.prompt_logprobs_sent else request.prompt_logprobs
         request.prompt_logprobs_sent = request.prompt_logprobs_sent or prompt_logprobs is not None
+        traces, request.traces = request.traces, None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                             request.num_cached_tokens, kv, request.error, request.queue_time, prompt_logprobs)
+                             request.num_cached_tokens, kv, request.error, request.queue_time, prompt_logprobs,
+                             traces)
 
 
 def _sampled_chars(logprobs: list[dict[int, Logprob]]) -> int:

@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 
 from engine.kv_transfer.params import KVTransferParams
+from engine.request_trace import KVLoadTrace, SequenceTrace
 from engine.sampling_params import SamplingParams
 
 # (token_id, logprob, rank) with the sampled token first, then the top-k.
@@ -78,6 +79,8 @@ class KVConnectorOutput:
     lookups: dict[str, tuple[int, int]] = field(default_factory=dict)
     # What entered and left the CPU and disk tiers (KV events; kv_transfer/tier_events.py).
     kv_events: list = field(default_factory=list)
+    # What each load that ended took (bytes, seconds, peer or tiers, outcome): for request traces.
+    load_traces: dict[str, KVLoadTrace] = field(default_factory=dict)
     stats: KVConnectorStats | None = None  # filled by the model runner, after the above
 
 
@@ -111,6 +114,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     from_prefill: bool = False  # a first token a prefill instance sampled (engine/kv_transfer/first_token.py)
     # With the first sampled token, where asked: per prompt token (None for the first) its entries.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A traced request's way through the scheduler (engine/request_trace.py): with its first
+    # token sampled here and with its end.
+    trace: SequenceTrace | None = None
 
 
 @dataclass
@@ -155,3 +161,5 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and the
     # top k at its position; in a stream, only in the first output that has them.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # A traced request's sequences' latest traces, by sequence index (engine/request_trace.py).
+    traces: dict[int, SequenceTrace] | None = None

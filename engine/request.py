@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from engine.kv_transfer.params import KVTransferParams
+from engine.request_trace import SequenceTrace
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class Request:
         hands_off: bool = False,
         grammar: RequestGrammar | None = None,
         cache_salt: str | None = None,
+        traced: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -101,6 +103,10 @@ class Request:
         # Seconds from arrival to the first schedule.
         self.queue_time: float | None = None
         self.status = RequestStatus.WAITING
+        # Only for a request the front end traces (engine/request_trace.py): the scheduler
+        # records its phases here.
+        self.trace: SequenceTrace | None = (
+            SequenceTrace(self.arrival_time, prompt_tokens=self.num_prompt_tokens) if traced else None)
         self.stop_reason: int | str | None = None
         self.error: str | None = None
 

@@ -21,6 +21,7 @@ from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                             NewRequestData, SchedulerOutput)
 from engine.request import Request, RequestStatus
+from engine.request_trace import snapshot
 
 # Times a request may be recomputed for sharing a step that raised before it fails itself.
 MAX_QUARANTINES = 3
@@ -199,7 +200,10 @@ class Scheduler:
         self._finished_req_ids = set()
         # Advance the counters now so the next step can be planned before results return.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            if request.trace is not None:
+                _trace_scheduled(request, n)
+            request.num_computed_tokens += n
         self._add_grammar_bitmask(output)
         return output
 
@@ -326,6 +330,9 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_computed
             self.kv.record_prefix_stats(request, num_local)
+            if request.trace is not None and request.trace.admitted is None:
+                request.trace.admitted = time.monotonic()
+                request.trace.cached_tokens, request.trace.external_tokens = num_local, num_external
         request.num_computed_tokens = num_computed
         if load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -357,8 +364,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ERROR
         request.error = error
         self._free_request(request)
+        trace = _trace_sampled(request, request.status) if request.trace is not None else None
         self._pending_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
-                                                      error=error))
+                                                      error=error, trace=trace))
 
     def _is_parked(self, request: Request) -> bool:
         """Waiting to run with blocks already allocated: its KV arrived from outside."""
@@ -417,6 +425,9 @@ class Scheduler:
                 continue  # ended during the step, or still in the middle of its prefill
             request.append_output_token_id(token)
             status = request.check_stop(self.max_model_len)
+            trace = None
+            if request.trace is not None:
+                trace = _trace_sampled(request, status)
             kv_transfer_params = None
             if status is not None:
                 request.status = status
@@ -428,7 +439,7 @@ class Scheduler:
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
                 kv_transfer_params=kv_transfer_params, queue_time=request.queue_time,
-                prompt_logprobs=request.take_prompt_logprobs()))
+                prompt_logprobs=request.take_prompt_logprobs(), trace=trace))
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
         outputs += self._update_transfers(runner_output)
@@ -439,6 +450,10 @@ class Scheduler:
         make their request runnable, or (on failure) recompute or fail it."""
         kv_out = runner_output.kv_connector_output
         self.connector.update_connector_output(kv_out)
+        for req_id, load in kv_out.load_traces.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.trace is not None:
+                request.trace.loads.append(load)
         outputs = []
         for req_id in kv_out.finished_sending:
             self.connector.send_done(req_id)
@@ -532,3 +547,30 @@ class Scheduler:
     @property
     def num_waiting_for_remote_kv(self) -> int:
         return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.waiting)
+
+
+# ---- a traced request's phases (engine/request_trace.py; only where request.trace is set) ----
+def _trace_scheduled(request: Request, num_tokens: int) -> None:
+    """It runs ``num_tokens`` tokens this step, from its current num_computed_tokens."""
+    trace = request.trace
+    if trace.scheduled is None:
+        trace.scheduled = time.monotonic()
+    computed = request.num_computed_tokens
+    if computed < request.num_prompt_tokens:
+        trace.prefill_chunks += 1
+        trace.prefill_tokens += min(num_tokens, request.num_prompt_tokens - computed)
+
+
+def _trace_sampled(request: Request, status: RequestStatus | None):
+    """A token was sampled (or the request ended): the copy of its trace to send now, if this is
+    its first token here or its end, else None."""
+    trace = request.trace
+    now = time.monotonic()
+    first = trace.first_token is None and status != RequestStatus.FINISHED_ERROR
+    if first:
+        trace.first_token = now
+    if status is not None:
+        trace.finished, trace.finish_reason = now, status.finish_reason
+    if not first and status is None:
+        return None
+    return snapshot(trace, request.num_output_tokens, request.num_preemptions)

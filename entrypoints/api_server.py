@@ -27,6 +27,7 @@ from engine.kv_transfer.params import (
     parse_kv_transfer_params,
 )
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from entrypoints import tracing
 from entrypoints.metrics import ServerMetrics
 from entrypoints.prompt_inputs import CHAT_ROLES, ContentPartError, message_text
 from entrypoints.protocol import (
@@ -267,6 +268,8 @@ class OpenAIServer:
         arrival = time.monotonic()
         timeline.mark("api.received", engine_id, at=received)
         timeline.mark("api.tokenized", engine_id, at=tokenized)
+        spans = self._request_spans(raw, request, engine_id, params, received or arrival)
+        traced = spans is not None and spans.traced
         streams: list[RequestStream] = []
         try:
             for i, prompt_ids in enumerate(prompts):
@@ -275,13 +278,17 @@ class OpenAIServer:
                 # says so: the stream goes on after them. (Anyone else gets them in the stream.)
                 shown = bool(request.stream) and raw.headers.get(FIRST_TOKENS_SHOWN) == "1"
                 streams.append(await self.client.add_request(sub_id, prompt_ids, params, kv_params[i],
-                                                             first_tokens_shown=shown, cache_salt=request.cache_salt))
+                                                             first_tokens_shown=shown, cache_salt=request.cache_salt,
+                                                             traced=traced))
         except EngineRequestError as exc:
             for s in streams:
                 s.close()
+            if spans is not None:
+                spans.end({"http.response.status_code": exc.status, "error.type": str(exc)[:200]}, {})
             raise APIError(exc.status, str(exc), exc.param)
         timeline.mark("api.queued", *(s.request_id for s in streams))
-        response = _Response(self, request_id, request, prompts, params.n, chat, arrival, continues=shown)
+        response = _Response(self, request_id, request, prompts, params.n, chat, arrival, continues=shown,
+                             spans=spans)
         if response.echo:
             response.prompt_texts = await self._off_loop(self._prompt_texts, request.prompt, prompts)
         if request.stream:
@@ -289,6 +296,19 @@ class OpenAIServer:
                                      headers={"X-Request-Id": request_id})
         return await _until_disconnect(raw, response.collect(streams), streams,
                                        lambda: response._finish_metrics(aborted=True))
+
+    def _request_spans(self, raw: Request, request, engine_id: str, params: SamplingParams,
+                       received: float) -> tracing.RequestSpans | None:
+        """The request's span (a child of its traceparent) when tracing is on."""
+        if not tracing.enabled():
+            return None
+        transfer = self.client.config.kv_transfer_config
+        role = "both" if transfer is None else {"kv_producer": "prefill", "kv_consumer": "decode"}.get(
+            transfer.kv_role, "both")
+        return tracing.start_request_spans(raw.headers, received, engine_id, role, {
+            "gen_ai.response.model": request.model or self.model_names[0], "gen_ai.request.n": params.n,
+            "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p, "engine.client_request_id": raw.headers.get("x-request-id")})
 
     async def release_kv(self, raw: Request) -> Response:
         """POST /v1/kv/release {"kv_transfer_params": ...}: a router will not use a hand-off this
@@ -375,7 +395,7 @@ class _Response:
     """Turns engine deltas into OpenAI JSON, streamed or whole, and records metrics."""
 
     def __init__(self, server: OpenAIServer, request_id: str, request, prompts: list[list[int]], n: int, chat: bool,
-                 arrival: float, continues: bool = False) -> None:
+                 arrival: float, continues: bool = False, spans: tracing.RequestSpans | None = None) -> None:
         """``continues``: a stream that goes on after first tokens a proxy showed (which also
         showed the prompt's token ids, where asked)."""
         self.server, self.request_id, self.request = server, request_id, request
@@ -402,6 +422,7 @@ class _Response:
         self.started: set[int] = set()  # choices whose first chunk went out (streaming)
         self.completion_tokens_shown = False  # a chunk with a token went out (streaming)
         self._echoed_prompts: dict[int, tuple[str, dict, int]] = {}  # _echoed, per prompt
+        self.spans = spans  # the request's spans, when traced (entrypoints/tracing.py)
 
     def _record(self, prompt_index: int, delta) -> None:
         now = time.monotonic()
@@ -422,6 +443,8 @@ class _Response:
         if delta.kv_transfer_params is not None:
             self.kv_transfer_params[prompt_index] = delta.kv_transfer_params
         self.finish_reasons += [c.finish_reason for c in delta.choices if c.finish_reason is not None]
+        if self.spans is not None:
+            self.spans.record(prompt_index, delta.traces)
 
     def _finish_metrics(self, aborted: bool = False) -> None:
         if aborted:
@@ -429,6 +452,14 @@ class _Response:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         self.server.metrics.observe_request(self.finish_reasons, ttft, self.itls, time.monotonic() - self.arrival,
                                             self.queue_time)
+        if self.spans is not None:
+            self.spans.end({
+                "gen_ai.usage.prompt_tokens": sum(len(p) for p in self.prompts),
+                "gen_ai.usage.completion_tokens": self.completion_tokens,
+                "gen_ai.usage.num_sequences": len(self.prompts) * self.n,
+                "gen_ai.latency.time_to_first_token": ttft, "gen_ai.latency.time_in_queue": self.queue_time,
+                "gen_ai.latency.e2e": time.monotonic() - self.arrival,
+                "gen_ai.response.finish_reasons": list(self.finish_reasons)}, self.kv_transfer_params)
 
     def usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)

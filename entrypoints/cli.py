@@ -225,6 +225,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           prefix_caching_hash_algo=args.prefix_caching_hash_algo, **engine_kwargs(args))
     check_kv_exposure(args, config)
     api_key = args.api_key or os.environ.get("ENGINE_API_KEY")
+    if args.otlp_traces_endpoint:
+        from entrypoints import tracing
+        tracing.check_available()  # refused before the model loads
 
     async def serve() -> None:
         client = AsyncEngineClient(config, args.max_queue_len)
@@ -240,6 +243,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         from entrypoints.api_server import OpenAIServer, build_app
 
+        if args.otlp_traces_endpoint:
+            from entrypoints import tracing
+            tracing.init_tracer(args.otlp_traces_endpoint, f"engine-{args.role}")
         app = build_app(OpenAIServer(client, tokenizer, served, api_key,
                                      trust_request_chat_template=args.trust_request_chat_template))
         # asyncio and h11 whatever else is installed (engine[ray] brings uvloop and httptools).
@@ -255,6 +261,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await server.serve()
         finally:
             await client.shutdown()  # idempotent; the app's lifespan normally did it already
+            from entrypoints import tracing
+            tracing.shutdown()  # exports the spans still batched
 
     try:
         asyncio.run(serve())
@@ -275,6 +283,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         raise ValueError("engine proxy takes --instance URLs (replicas) or --prefill and --decode URLs, not both")
     if not args.instance and not (args.prefill and args.decode):
         raise ValueError("engine proxy needs --instance URLs, or at least one --prefill and one --decode URL")
+    if args.otlp_traces_endpoint:
+        from entrypoints import tracing
+        tracing.init_tracer(args.otlp_traces_endpoint, "engine-proxy")
     disagg = DisaggPolicy(args.max_local_prefill_tokens, args.max_prefill_queue)
     router = (KVRouter(args.kv_load_weight, load_kv_secret(args.kv_secret_file), args.kv_max_skew)
               if args.routing == "kv-aware" else None)
@@ -291,8 +302,12 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             f"decode prefills prompts with up to {disagg.max_local_prefill_tokens} uncached tokens itself, and any "
             f"prompt while a prefill instance has {disagg.max_prefill_queue} in flight" if disagg.conditional
             else "every prompt through a prefill instance")
-    uvicorn.run(build_proxy_app(proxy), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=10, loop="asyncio", http="h11")
+    try:
+        uvicorn.run(build_proxy_app(proxy), host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=10, loop="asyncio", http="h11")
+    finally:
+        from entrypoints import tracing
+        tracing.shutdown()  # exports the spans still batched
     return 0
 
 
@@ -399,6 +414,11 @@ def cmd_disagg(args: argparse.Namespace) -> int:
             engine_args += [flag, str(value)]
     proxy_args = ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens),
                   "--max-prefill-queue", str(args.max_prefill_queue)]
+    if args.otlp_traces_endpoint:  # every process of the deployment traces to it
+        from entrypoints import tracing
+        tracing.check_available()
+        engine_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        proxy_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     # A prompt the decode instance prefills itself (conditional disaggregation) runs in chunks
     # beside its decodes, so their inter-token latency stays short.
     threshold = DISAGG_DECODE_PREFILL_CHUNK if args.long_prefill_token_threshold is None \
@@ -426,9 +446,13 @@ def cmd_ray_serve(args: argparse.Namespace) -> int:
     from entrypoints.ray_serve.app import RayServeOptions, build_app, parse_replicas
 
     engine_args = args.engine_args
-    for flag in ("--role", "--host", "--port", "--kv-ip", "--kv-port", "--num-threads", "--cpu-cores"):
+    for flag in ("--role", "--host", "--port", "--kv-ip", "--kv-port", "--num-threads", "--cpu-cores",
+                 "--otlp-traces-endpoint"):
         if flag in engine_args:
             raise ValueError(f"engine ray-serve sets {flag} of each replica itself")
+    if args.otlp_traces_endpoint:
+        from entrypoints import tracing
+        tracing.check_available()
     # Every node needs the model at this path (a shared or identical file system).
     model = args.model_path if args.model_path and os.path.exists(args.model_path) else str(
         resolve_model(args.model_path))
@@ -437,7 +461,8 @@ def cmd_ray_serve(args: argparse.Namespace) -> int:
         decode_replicas=parse_replicas(args.decode_replicas), engine_args=engine_args,
         replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
         max_local_prefill_tokens=args.max_local_prefill_tokens,
-        target_ongoing_requests=args.target_ongoing_requests, routing=args.routing)
+        target_ongoing_requests=args.target_ongoing_requests, routing=args.routing,
+        otlp_traces_endpoint=args.otlp_traces_endpoint)
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     logging.getLogger("engine").info("engine on Ray Serve at http://%s:%d: prefill replicas %s, decode replicas %s",
@@ -512,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="allow the KV plane (--role prefill/decode, --kv-store) on a non-loopback address, or with a remote "
                           "Redis, without a deployment secret "
                           "(anyone who reaches the ports can then read KV or steer the decode instance)")
+    srv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="send OpenTelemetry traces of every request over OTLP/HTTP to URL (a collector's "
+                         "http://host:4318/v1/traces; OTEL_* variables configure the SDK: sampler, service name, "
+                         "headers); needs pip install 'engine[otel]' (docs/serving.md#tracing)")
     srv.add_argument("--kv-events", action="store_true",
                      help="publish prefix-cache changes for routers (engine proxy --routing kv-aware, llm-d, Dynamo) on "
                           "two ports of --host this instance chooses; /status shows them (off loopback: needs the "
@@ -561,6 +590,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a hand-off goes to the decode instance with the least load plus this many open requests "
                          "per second its KV pull is expected to take beyond the fastest path's, as the decode "
                          "instances measured their recent pulls (default 10; 0: ignore link speed)")
+    px.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="send OpenTelemetry traces of every request over OTLP/HTTP to URL (a collector's "
+                         "http://host:4318/v1/traces; OTEL_* variables configure the SDK: sampler, service name, "
+                         "headers); needs pip install 'engine[otel]' (docs/serving.md#tracing)")
     px.add_argument("--timeout", type=float, default=300.0,
                     help="deadline in seconds for each upstream call (between chunks when streaming)")
     add_disagg_policy_args(px)
@@ -571,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
     dg.add_argument("model_path", nargs="?", default=None, metavar="MODEL")
     dg.add_argument("--host", default="127.0.0.1")
     dg.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
+    dg.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="send OpenTelemetry traces of every request over OTLP/HTTP to URL (a collector's "
+                         "http://host:4318/v1/traces; OTEL_* variables configure the SDK: sampler, service name, "
+                         "headers); needs pip install 'engine[otel]' (docs/serving.md#tracing)")
     dg.add_argument("--prefill-cores", default=None, metavar="LIST",
                     help="cores of the prefill instance (default: the first half of this host's physical cores)")
     dg.add_argument("--decode-cores", default=None, metavar="LIST",
@@ -616,6 +653,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="conditional disaggregation: a decode replica prefills a prompt itself when at most N of "
                          "its tokens are missing from its prefix cache (default 512; 0: every prompt through a "
                          "prefill replica)")
+    rs.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="send OpenTelemetry traces of every request over OTLP/HTTP to URL (a collector's "
+                         "http://host:4318/v1/traces; OTEL_* variables configure the SDK: sampler, service name, "
+                         "headers); needs pip install 'engine[otel]' (docs/serving.md#tracing)")
     rs.set_defaults(func=cmd_ray_serve)
 
     sc = sub.add_parser("secret", help="write a new random deployment secret (mode 0600) for --kv-secret-file")

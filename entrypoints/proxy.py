@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from engine import timeline
+from entrypoints import tracing
 from entrypoints.kv_paths import TransferPaths
 from entrypoints.kv_router import KVRouter, PromptBlocks
 from entrypoints.protocol import (
@@ -130,6 +131,13 @@ DECISIONS = (("remote", "always"), ("remote", "long_prompt"), ("local", "short_p
              ("local", "prefill_busy"), ("local", "prefill_unreachable"), ("local", "prompt_logprobs"))
 
 
+def _chose(role: str, url: str) -> None:
+    """The instance a request goes to, for its route span (when traced)."""
+    span = tracing.current_proxy_span()
+    if span is not None:
+        span.chose(role, url)
+
+
 def error_response(status: int, message: str, kind: str = "upstream_error", param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status)
@@ -152,7 +160,7 @@ async def read_client_request(raw: Request, id_prefix: str) -> tuple[dict, dict]
     headers = {"X-Request-Id": request_id, ENGINE_REQUEST_ID: engine_id, "Content-Type": "application/json"}
     if "authorization" in raw.headers:
         headers["Authorization"] = raw.headers["authorization"]
-    return body, headers
+    return body, tracing.inject(headers)  # (the front's span: the instances' spans are its children)
 
 
 class Proxy:
@@ -210,9 +218,11 @@ class Proxy:
         traded against load (entrypoints/kv_router.py); else the first of ``ordered``."""
         ordered = self.ordered(pool, turn, extra)
         if self.router is None:
+            _chose("decode", ordered[0].url)
             return ordered[0]
         upstream, hit = self.router.choose([u for u in ordered if not u.down] or ordered, prompt, extra)
         self.router.count(upstream.url, prompt, hit)
+        _chose("decode", upstream.url)
         return upstream
 
     async def prompt_of(self, path: str, body: dict, headers: dict) -> PromptBlocks | None:
@@ -344,6 +354,7 @@ class Proxy:
                 return _passthrough_error(resp)
             answer = resp.json()
             timeline.mark("proxy.prefill_answered", headers[ENGINE_REQUEST_ID])
+            _chose("prefill", upstream.url)
             if not answer.get("kv_transfer_params"):
                 return error_response(502, f"prefill {upstream.url} returned no kv_transfer_params "
                                            "(is it running with --role prefill?)")
@@ -371,8 +382,23 @@ class Proxy:
     def _decided(self, path: str, reason: str, request_id: str) -> None:
         self.decisions[path, reason] += 1
         logger.info("%s: %s prefill (%s)", request_id, path, reason)
+        span = tracing.current_proxy_span()
+        if span is not None:
+            span.decided(path, reason)
 
     async def handle(self, raw: Request, path: str) -> Response:
+        """A client's request, in the proxy's span when tracing is on (entrypoints/tracing.py)."""
+        span = tracing.start_proxy_span(raw.headers, time.monotonic(), self.policy)
+        if span is None:
+            return await self._handle(raw, path)
+        try:
+            response = await self._handle(raw, path)
+        except BaseException:
+            span.end(500)
+            raise
+        return tracing.end_with_response(span, response)
+
+    async def _handle(self, raw: Request, path: str) -> Response:
         received = time.monotonic()
         read = await read_client_request(raw, "px")
         if isinstance(read, Response):

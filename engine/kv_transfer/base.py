@@ -20,6 +20,7 @@ import torch
 from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import KVConnectorOutput, KVConnectorStats, SchedulerOutput
 from engine.request import Request
+from engine.request_trace import KVLoadTrace
 
 
 def queued(jobs: queue.Queue, stop: threading.Event, idle: Callable[[], None] | None = None) -> Iterator[Any]:
@@ -44,6 +45,7 @@ class LoadBook:
         self._cancelled: set[str] = set()
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._traces: dict[str, KVLoadTrace] = {}
 
     def submit(self, req_ids: list[str], cancels: list[str]) -> None:
         with self._lock:
@@ -54,9 +56,12 @@ class LoadBook:
     def is_cancelled(self, req_id: str) -> bool:
         return req_id in self._cancelled
 
-    def finish(self, req_id: str, error: str | None) -> None:
-        """The load of ``req_id`` is over: done (``error`` None) or failed, "<reason>: <detail>"."""
+    def finish(self, req_id: str, error: str | None, trace: KVLoadTrace | None = None) -> None:
+        """The load of ``req_id`` is over: done (``error`` None) or failed, "<reason>: <detail>";
+        ``trace``: what it took (reported with the result, for the request's trace)."""
         with self._lock:
+            if trace is not None:
+                self._traces[req_id] = trace
             self._cancelled.discard(req_id)
             self._outstanding.discard(req_id)
             if error is None:
@@ -66,10 +71,15 @@ class LoadBook:
 
     def take(self) -> tuple[set[str], dict[str, str]]:
         """(loads done, loads failed with their reason) since the last call."""
-        with self._lock:
-            done, failed = self._done, self._failed
-            self._done, self._failed = set(), {}
+        done, failed, _ = self.take_with_traces()
         return done, failed
+
+    def take_with_traces(self) -> tuple[set[str], dict[str, str], dict[str, KVLoadTrace]]:
+        """``take`` and the loads' traces, taken at once."""
+        with self._lock:
+            done, failed, traces = self._done, self._failed, self._traces
+            self._done, self._failed, self._traces = set(), {}, {}
+        return done, failed, traces
 
 
 def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -141,6 +141,7 @@ class MultiConnectorWorker(KVConnectorWorker):
             merged.failure_reasons.update(out.failure_reasons)
             merged.lookups.update(out.lookups)
             merged.kv_events += out.kv_events
+            merged.load_traces.update(out.load_traces)
         return merged
 
     def shutdown(self) -> None:

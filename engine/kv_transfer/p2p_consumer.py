@@ -43,6 +43,7 @@ from engine.kv_transfer.p2p_wire import (
     proof_ok,
 )
 from engine.kv_transfer.secret import KVSecret
+from engine.request_trace import KVLoadTrace
 
 logger = logging.getLogger("engine.kv_transfer")
 
@@ -118,9 +119,10 @@ class P2PConsumer:
         try:
             for job in queued(self._jobs, self._stop, idle=peers.tidy):
                 peers.tidy()
-                started = time.perf_counter()
+                started, began = time.perf_counter(), time.monotonic()
+                attempts = 1
                 try:
-                    error = self._load(job, peers)
+                    error, attempts = self._load(job, peers)
                 except Exception as exc:  # (zmq out of sockets, a bug): this load fails, the puller goes on
                     logger.exception("KV load of %s failed", job.req_id)
                     error = f"internal: {type(exc).__name__}: {exc}"
@@ -130,7 +132,10 @@ class P2PConsumer:
                         self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
                     if reason in (None, "timeout"):  # what the link cost (a refusal says nothing of it)
                         self._count_pull(job, time.perf_counter() - started, timed_out=reason is not None)
-                self.loads.finish(job.req_id, error)
+                self.loads.finish(job.req_id, error, KVLoadTrace(
+                    "p2p", began, time.monotonic(), len(job.block_ids) * self.layout.block_shape[0],
+                    0 if error is not None else len(job.block_ids) * self.layout.bytes_per_block,
+                    job.peer or job.remote_addr, attempts, reason or "ok", error))
                 if error is not None:
                     logger.warning("KV load of %s from %s failed: %s", job.req_id, job.remote_addr, error)
                     peers.drop(job.remote_addr)
@@ -264,8 +269,9 @@ class P2PConsumer:
         """``_recv`` for a pull: by its deadline, unless cancelled or the peer's reconnect fails."""
         return self._recv(peer.sock, job.deadline, accept, job.req_id, peer.monitor)
 
-    def _load(self, job: LoadSpec, peers: PeerCache) -> str | None:
-        """Pull one request's KV into its blocks; None on success, else "<reason>: <detail>"."""
+    def _load(self, job: LoadSpec, peers: PeerCache) -> tuple[str | None, int]:
+        """Pull one request's KV into its blocks: (None on success, else "<reason>: <detail>";
+        the attempts it took)."""
         addr = job.remote_addr
         reused = addr in peers
         error = self._load_from(job, peers)
@@ -275,8 +281,8 @@ class P2PConsumer:
             # failed) or forgot us. Handshake afresh, once: a refusal of the transport handshake
             # shows there at once, as auth.
             peers.drop(addr)
-            error = self._load_from(job, peers)
-        return error
+            return self._load_from(job, peers), 2
+        return error, 1
 
     def _load_from(self, job: LoadSpec, peers: PeerCache) -> str | None:
         addr = job.remote_addr

@@ -130,8 +130,8 @@ class P2PConnectorWorker(KVConnectorWorker):
 
     def get_finished(self) -> KVConnectorOutput:
         sending = self.producer.take_finished() if self.producer is not None else set()
-        recving, failed = self.consumer.take_finished()
-        return KVConnectorOutput(sending, recving, set(failed), failed)
+        recving, failed, traces = self.consumer.loads.take_with_traces()
+        return KVConnectorOutput(sending, recving, set(failed), failed, load_traces=traces)
 
     def stats(self) -> KVConnectorStats:
         with self._lock:

@@ -37,6 +37,7 @@ from engine.kv_transfer.stores.base import KVStore
 from engine.kv_transfer.tier_events import TierEvents
 from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
 from engine.outputs import KVConnectorOutput, KVConnectorStats
+from engine.request_trace import KVLoadTrace, TierLoadTrace
 
 logger = logging.getLogger("engine.kv_store")
 
@@ -79,17 +80,22 @@ class TieredStore:
         return best
 
     def load(self, key: str) -> torch.Tensor | None:
+        found = self.load_from_tier(key)
+        return None if found is None else found[0]
+
+    def load_from_tier(self, key: str) -> tuple[torch.Tensor, str, float] | None:
+        """The chunk, the tier it came from and the seconds that tier took; None if in none."""
         for depth, store in enumerate(self.stores):
             start = time.perf_counter()
             kv = store.get(key)
             if kv is None:
                 continue
-            store.count(hits=1, bytes_loaded=kv.numel() * kv.element_size(),
-                        load_seconds=time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            store.count(hits=1, bytes_loaded=kv.numel() * kv.element_size(), load_seconds=seconds)
             for faster in self.stores[:depth]:
                 if faster.name == "cpu":  # promotion: the next hit is a memory hit
                     faster.put(key, kv)
-            return kv
+            return kv, store.name, seconds
         return None
 
     def pin(self, keys: list[str]) -> None:
@@ -231,11 +237,12 @@ class TieredConnectorWorker(KVConnectorWorker):
             self._saves.put((save.key, chunk, events is not None))
 
     def get_finished(self) -> KVConnectorOutput:
-        done, failed = self.loads.take()
+        done, failed, traces = self.loads.take_with_traces()
         with self._lock:
             answers, self._answers = self._answers, {}
         return KVConnectorOutput(finished_recving=done, failed_recving=set(failed), failure_reasons=failed,
-                                 lookups=answers, kv_events=self.events.drain() if self.events else [])
+                                 lookups=answers, kv_events=self.events.drain() if self.events else [],
+                                 load_traces=traces)
 
     def stats(self, read_used_bytes: bool = True) -> KVConnectorStats:
         """Never waits on a store: a slow tier's used_bytes is the saver's last reading (0 for
@@ -314,33 +321,46 @@ class TieredConnectorWorker(KVConnectorWorker):
                 lease = self._leases.pop(load.req_id, None)  # the load's pins replace the lookup's
             if lease:
                 self.tiers.unpin(lease)
+            trace = KVLoadTrace("tiers", time.monotonic(), 0.0)
             try:
-                error = self._load(load)
+                error = self._load(load, trace)
             except Exception as exc:  # a store bug fails this load (it recomputes), never the loader
                 logger.exception("KV store load for %s raised", load.req_id)
                 error = f"error: {type(exc).__name__}: {exc}"
             finally:
                 self.tiers.unpin(keys)
-            self.loads.finish(load.req_id, error)
+            trace.end = time.monotonic()
+            if error is not None:
+                trace.outcome, trace.error = error.split(":")[0], error
+            self.loads.finish(load.req_id, error, trace)
             if error is not None and not error.startswith("cancelled"):
                 logger.info("KV store load for %s fell short (%s); recomputing", load.req_id, error)
 
-    def _fetch(self, load: TierLoad, key: str) -> torch.Tensor | None:
+    def _fetch(self, load: TierLoad, key: str) -> tuple[torch.Tensor, str, float] | None:
         if self.loads.is_cancelled(load.req_id):
             return None
-        kv = self.tiers.load(key)
-        while kv is None and time.monotonic() < load.wait_until and not self.loads.is_cancelled(load.req_id):
+        found = self.tiers.load_from_tier(key)
+        while found is None and time.monotonic() < load.wait_until and not self.loads.is_cancelled(load.req_id):
             time.sleep(0.005)  # promised by a prefill instance whose write is still on its way
-            kv = self.tiers.load(key)
-        return kv
+            found = self.tiers.load_from_tier(key)
+        return found
 
-    def _load(self, load: TierLoad) -> str | None:
+    def _load(self, load: TierLoad, trace: KVLoadTrace) -> str | None:
+        """Copies the load's chunks into its blocks, counting each chunk in ``trace`` by its tier."""
         for chunk in load.chunks:
             if self.loads.is_cancelled(load.req_id):
                 return "cancelled: the request ended"
-            kv = self._fetch(load, chunk.key)
-            if kv is None:
+            found = self._fetch(load, chunk.key)
+            if found is None:
                 return f"miss: chunk {chunk.key[:12]} is in no tier (evicted, or never written)"
+            kv, tier, seconds = found
+            nbytes = len(chunk.block_ids) * kv[:, :, :1].numel() * kv.element_size()
+            counted = trace.tiers.setdefault(tier, TierLoadTrace())
+            tokens = len(chunk.block_ids) * kv.shape[3]
+            counted.chunks, counted.tokens, counted.bytes, counted.seconds = (
+                counted.chunks + 1, counted.tokens + tokens, counted.bytes + nbytes, counted.seconds + seconds)
+            trace.tokens += tokens
+            trace.bytes += nbytes
             if kv.shape[2] < chunk.first_block + len(chunk.block_ids):
                 return f"miss: chunk {chunk.key[:12]} holds {kv.shape[2]} blocks, fewer than asked"
             src = list(range(chunk.first_block, chunk.first_block + len(chunk.block_ids)))

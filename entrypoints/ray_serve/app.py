@@ -52,6 +52,8 @@ class RayServeOptions:
     # placing them on nodes that stay, keep requests alive when a node goes.
     ingress_replicas: int = 1
     ingress_actor_options: dict = field(default_factory=lambda: {"num_cpus": 0})
+    # OpenTelemetry traces of the ingress and every replica go there (OTLP/HTTP; entrypoints/tracing.py).
+    otlp_traces_endpoint: str | None = None
 
 
 def build_app(options: RayServeOptions, secret: str | None = None):
@@ -95,7 +97,9 @@ def build_app(options: RayServeOptions, secret: str | None = None):
             # offers, EngineReplica.__del__) before it kills the replica.
             graceful_shutdown_wait_loop_s=1, graceful_shutdown_timeout_s=options.lease_s + 120, **scaling, **router,
             **more,
-        ).bind(options.model, engine_role or role, list(options.engine_args), sealed, options.lease_s)
+        ).bind(options.model, engine_role or role, list(options.engine_args) + traces, sealed, options.lease_s)
+
+    traces = ["--otlp-traces-endpoint", options.otlp_traces_endpoint] if options.otlp_traces_endpoint else []
 
     # No prefill replicas: every request whole on a decode replica, a colocated engine (role
     # both: no KV consumer), routed by Serve.
@@ -105,7 +109,8 @@ def build_app(options: RayServeOptions, secret: str | None = None):
                         engine_role="both" if colocated else "decode")
     ingress = serve.deployment(PDIngress, name="ingress", num_replicas=options.ingress_replicas,
                                ray_actor_options=options.ingress_actor_options, max_ongoing_requests=1000)
-    return ingress.bind(prefill, decode, DisaggPolicy(options.max_local_prefill_tokens), options.routing, sealed)
+    return ingress.bind(prefill, decode, DisaggPolicy(options.max_local_prefill_tokens), options.routing, sealed,
+                        options.otlp_traces_endpoint)
 
 
 def app_builder(args: dict):
@@ -123,8 +128,9 @@ def app_builder(args: dict):
                 "lease_s"):
         if key in args:
             kwargs[key] = float(args.pop(key))
-    if "routing" in args:
-        kwargs["routing"] = str(args.pop("routing"))
+    for key in ("routing", "otlp_traces_endpoint"):
+        if key in args:
+            kwargs[key] = str(args.pop(key))
     if "autoscaling_config" in args:
         kwargs["autoscaling_config"] = dict(args.pop("autoscaling_config"))
     if "ingress_actor_options" in args:

@@ -11,6 +11,7 @@ replica continues from its KV; a hand-off nobody will use is released at once.
 import asyncio
 import json
 import logging
+import time
 
 import httpx
 from fastapi import FastAPI, Request
@@ -20,6 +21,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import BackPressureError
 
 from engine.kv_transfer.secret import KVSecret
+from entrypoints import tracing
 from entrypoints.kv_router import KVRouter, PromptBlocks
 from entrypoints.protocol import FIRST_TOKENS_SHOWN
 from entrypoints.proxy import (
@@ -74,11 +76,14 @@ async def _relay(stream):
 @serve.ingress(app)
 class PDIngress:
     def __init__(self, prefill, decode, disagg: DisaggPolicy = DisaggPolicy(), routing: str = "least-loaded",
-                 secret=None) -> None:
+                 secret=None, otlp_traces_endpoint: str | None = None) -> None:
         """``prefill`` None: no prefill deployment (every request on a decode replica).
         ``routing`` kv-aware: the deployments route by the replicas' KV events
         (entrypoints/ray_serve/router.py), which this process follows with ``secret``."""
         self.prefill, self.decode, self.disagg = prefill, decode, disagg
+        self.routing = routing
+        if otlp_traces_endpoint:
+            tracing.init_tracer(otlp_traces_endpoint, "engine-ingress")
         self.kv: KVRouter | None = None
         if routing == "kv-aware":  # one index per replica URL, prefill and decode replicas alike
             from entrypoints.ray_serve.router import register
@@ -114,6 +119,18 @@ class PDIngress:
         return JSONResponse({"kv_routing": self.kv.status() if self.kv is not None else None})
 
     async def handle(self, raw: Request, path: str) -> Response:
+        """A client's request, in the ingress's span when tracing is on (entrypoints/tracing.py)."""
+        span = tracing.start_proxy_span(raw.headers, time.monotonic(), f"ray-serve:{self.routing}")
+        if span is None:
+            return await self._handle(raw, path)
+        try:
+            response = await self._handle(raw, path)
+        except BaseException:
+            span.end(500)
+            raise
+        return tracing.end_with_response(span, response)
+
+    async def _handle(self, raw: Request, path: str) -> Response:
         read = await read_client_request(raw, "rs")
         if isinstance(read, Response):
             return read
