@@ -173,17 +173,31 @@ ALWAYS_INLINE Vec scores_by_dot(const float* q, const float* const* krow) {
   return transpose_sum(acc);
 }
 
-// Scores of RB rows against a chunk whose keys are staged transposed (kt[d * W + j]): lane j =
-// sum over d of q[d] * k_j[d], in order of d (prefill rows: many rows share the transpose).
+// Keys per online-softmax update of prefill rows: KT chunks of W. RB x KT score accumulators
+// hide the FMA latency (4 rows x 1 chunk left half the FMA slots idle) and the max, exp and
+// rescale bookkeeping is paid once per tile, not once per chunk.
+constexpr int KT = W == 16 ? 4 : 2;  // AVX-512: 16 accumulators of 32 registers; AVX2: 8 of 16
+constexpr int TK = KT * W;
+
+// Scores of RB rows against a tile of KT chunks whose keys are staged transposed
+// (kt[(c * HD + d) * W + j] = key c * W + j, dim d): lane j of out[r][c] = sum over d of
+// q_r[d] * k[d], in order of d (prefill rows: many rows share the transpose).
 template <int NV, int RB>
-ALWAYS_INLINE void scores_by_broadcast(const float* const* q, const float* kt, Vec* out) {
-  Vec acc[RB];
-  UNROLL for (int r = 0; r < RB; ++r) acc[r] = Vec::zero();
-  for (int d = 0; d < NV * W; ++d) {
-    const Vec k = Vec::load(kt + d * W);
-    UNROLL for (int r = 0; r < RB; ++r) acc[r] = fmadd(Vec::set1(q[r][d]), k, acc[r]);
+ALWAYS_INLINE void scores_by_broadcast(const float* const* q, const float* kt, Vec (*out)[KT]) {
+  constexpr int HD = NV * W;
+  Vec acc[RB][KT];
+  UNROLL for (int r = 0; r < RB; ++r)
+    UNROLL for (int c = 0; c < KT; ++c) acc[r][c] = Vec::zero();
+  for (int d = 0; d < HD; ++d) {
+    Vec k[KT];
+    UNROLL for (int c = 0; c < KT; ++c) k[c] = Vec::load(kt + (c * HD + d) * W);
+    UNROLL for (int r = 0; r < RB; ++r) {
+      const Vec qd = Vec::set1(q[r][d]);
+      UNROLL for (int c = 0; c < KT; ++c) acc[r][c] = fmadd(qd, k[c], acc[r][c]);
+    }
   }
-  UNROLL for (int r = 0; r < RB; ++r) out[r] = acc[r];
+  UNROLL for (int r = 0; r < RB; ++r)
+    UNROLL for (int c = 0; c < KT; ++c) out[r][c] = acc[r][c];
 }
 
 // o_r = o_r * alpha_r + sum over keys j in [j0, j1), in order, of p_r[j] * v_j, for RB rows at
@@ -229,23 +243,26 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   const int g = group_, heads = it.kv_end - it.kv_begin, per_token = heads * g;
   const int rows = (it.tok_end - it.tok_begin) * per_token;
   const bool decode = q_len(it.req) == 1;
+  // Keys per step of the loop below: a tile of KT chunks for prefill rows, one chunk for decodes
+  // (their scores are dot products of keys read in place: see scores_by_dot).
+  const int tile_keys = decode ? W : TK, chunks = decode ? 1 : KT;
   // scratch: q rows, run o, partition o, staged K (as rows, and transposed) and V, a zero row,
   // per-row scalars and probabilities
-  scratch.resize(size_t(rows) * HD * 3 + size_t(W) * HD * 3 + HD + size_t(rows) * (6 + W));
+  scratch.resize(size_t(rows) * HD * 3 + size_t(TK) * HD * 3 + HD + size_t(rows) * (6 + TK));
   float* qf = scratch.data();
   float* run_o = qf + size_t(rows) * HD;
   float* part_o = run_o + size_t(rows) * HD;
   float* kc = part_o + size_t(rows) * HD;
-  float* kt = kc + size_t(W) * HD;
-  float* vc = kt + size_t(W) * HD;
-  float* zero = vc + size_t(W) * HD;
+  float* kt = kc + size_t(TK) * HD;
+  float* vc = kt + size_t(TK) * HD;
+  float* zero = vc + size_t(TK) * HD;
   float* run_m = zero + HD;
   float* run_l = run_m + rows;
   float* part_m = run_l + rows;
   float* part_l = part_m + rows;
   int* row_lo = reinterpret_cast<int*>(part_l + rows);
   int* row_hi = row_lo + rows;
-  float* probs = reinterpret_cast<float*>(row_hi + rows);  // [rows][W]
+  float* probs = reinterpret_cast<float*>(row_hi + rows);  // [rows][TK]
   std::fill(zero, zero + HD, 0.0f);
 
   const int r = it.req;
@@ -269,15 +286,15 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   const bool capped = a_.softcap > 0.0f;
   const Vec cap = Vec::set1(a_.softcap), inv_cap = Vec::set1(capped ? 1.0f / a_.softcap : 0.0f);
   const Vec lane = Vec::iota(), minus_inf = Vec::set1(neg_inf());
-  int64_t key_at[W];  // element offset of each key of the chunk (its first kv head), -1 outside
-  const float* krow[W];  // the chunk's keys and values as float rows
-  const float* vrow[W];
+  int64_t key_at[TK];  // element offset of each key of the tile (its first kv head), -1 outside
+  const float* krow[TK];  // the tile's keys and values as float rows
+  const float* vrow[TK];
   const int64_t head_bytes = int64_t(heads) * HD * sizeof(T);
 
-  // Offsets of keys [c0, c0 + W) through the block table; those outside [k0, k1) get -1.
+  // Offsets of keys [c0, c0 + tile_keys) through the block table; those outside [k0, k1) get -1.
   auto locate = [&](int c0, int k0, int k1, int64_t* at) {
     int blk = c0 / a_.block_size, off = c0 % a_.block_size;
-    for (int j = 0; j < W; ++j) {
+    for (int j = 0; j < tile_keys; ++j) {
       const int k = c0 + j;
       at[j] = (k < k0 || k >= k1) ? -1
               : int64_t(table[blk]) * a_.kv_block_stride + int64_t(off) * a_.kv_tok_stride +
@@ -293,12 +310,14 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
       part_l[i] = 0.0f;
       std::fill(part_o + size_t(i) * HD, part_o + size_t(i + 1) * HD, 0.0f);
     }
-    locate(pk0 / W * W, pk0, pk1, key_at);
-    for (int c0 = pk0 / W * W; c0 < pk1; c0 += W) {
-      int64_t next_at[W];
-      if (c0 + W < pk1) locate(c0 + W, pk0, pk1, next_at);
-      if (c0 + W < pk1) {  // start the next chunk's loads now: blocks lie anywhere in the pool
-        for (int j = 0; j < W; ++j) {
+    // Tiles start at multiples of tile_keys (absolute positions: a row's arithmetic is its own).
+    locate(pk0 / tile_keys * tile_keys, pk0, pk1, key_at);
+    for (int c0 = pk0 / tile_keys * tile_keys; c0 < pk1; c0 += tile_keys) {
+      int64_t next_at[TK];
+      const bool more = c0 + tile_keys < pk1;
+      if (more) locate(c0 + tile_keys, pk0, pk1, next_at);
+      if (more) {  // start the next tile's loads now: blocks lie anywhere in the pool
+        for (int j = 0; j < tile_keys; ++j) {
           if (next_at[j] < 0) continue;
           const char* kp = reinterpret_cast<const char*>(kcache + next_at[j]);
           const char* vp = reinterpret_cast<const char*>(vcache + next_at[j]);
@@ -309,9 +328,9 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
         }
       }
       for (int hh = 0; hh < heads; ++hh) {
-        // Stage this kv head's keys and values of the chunk as float rows; keys outside
+        // Stage this kv head's keys and values of the tile as float rows; keys outside
         // [pk0, pk1) read zeros.
-        for (int j = 0; j < W; ++j) {
+        for (int j = 0; j < tile_keys; ++j) {
           if (key_at[j] < 0) {
             krow[j] = vrow[j] = zero;
             continue;
@@ -330,8 +349,9 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
           }
         }
         if (!decode)
-          for (int j = 0; j < W; ++j)
-            for (int d = 0; d < HD; ++d) kt[d * W + j] = krow[j][d];
+          for (int c = 0; c < KT; ++c)
+            for (int j = 0; j < W; ++j)
+              for (int d = 0; d < HD; ++d) kt[(c * HD + d) * W + j] = krow[c * W + j][d];
 
         // This head's rows in blocks of RB (a row that sees nothing of the chunk is skipped:
         // it would add nothing), each: scores, its mask, the online-softmax update, then the values.
@@ -340,46 +360,56 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
           float* o[RB];
           const float* pp[RB];
           float alpha[RB];
-          Vec s[RB];
-          int j0 = W, j1 = 0;
+          Vec s[RB][KT];
+          int j0 = tile_keys, j1 = 0;
           const float* qrows[RB];
           for (int b = 0; b < na; ++b) qrows[b] = qf + size_t(active[b]) * HD;
           if (decode) {
-            for (int b = 0; b < na; ++b) s[b] = scores_by_dot<NV>(qrows[b], krow);
+            for (int b = 0; b < na; ++b) s[b][0] = scores_by_dot<NV>(qrows[b], krow);
           } else {
             with_rows(na, [&](auto rb) { scores_by_broadcast<NV, decltype(rb)::value>(qrows, kt, s); });
           }
           for (int b = 0; b < na; ++b) {
             const int i = active[b];
             const int klo = std::max(row_lo[i], pk0), khi = std::min(row_hi[i], pk1);
-            Vec x = s[b] * scale;
-            if (capped) x = vtanh(x * inv_cap) * cap;
-            x = where_less(lane, Vec::set1(float(klo - c0)), minus_inf, x);  // lanes outside [klo, khi): -inf
-            x = where_less(lane, Vec::set1(float(khi - c0)), x, minus_inf);
-            const float m_new = std::max(part_m[i], reduce_max(x));
+            Vec x[KT];
+            Vec top = minus_inf;
+            for (int c = 0; c < chunks; ++c) {
+              Vec y = s[b][c] * scale;
+              if (capped) y = vtanh(y * inv_cap) * cap;
+              const int at = c0 + c * W;  // lanes outside [klo, khi): -inf
+              y = where_less(lane, Vec::set1(float(klo - at)), minus_inf, y);
+              x[c] = where_less(lane, Vec::set1(float(khi - at)), y, minus_inf);
+              top = vmax(top, x[c]);
+            }
+            const float m_new = std::max(part_m[i], reduce_max(top));
             // exp(0) is exactly 1: an unchanged max rescales nothing, so skip the exp.
             alpha[b] = m_new == part_m[i] ? 1.0f : exp_scalar(part_m[i] - m_new);
-            const Vec e = vexp(x - Vec::set1(m_new));
-            part_l[i] = part_l[i] * alpha[b] + reduce_add(e);
+            Vec sum = Vec::zero();
+            for (int c = 0; c < chunks; ++c) {
+              const Vec e = vexp(x[c] - Vec::set1(m_new));
+              sum = sum + e;
+              e.store(probs + size_t(i) * TK + c * W);
+            }
+            part_l[i] = part_l[i] * alpha[b] + reduce_add(sum);
             part_m[i] = m_new;
-            e.store(probs + size_t(i) * W);
-            pp[b] = probs + size_t(i) * W;
+            pp[b] = probs + size_t(i) * TK;
             o[b] = part_o + size_t(i) * HD;
             j0 = std::min(j0, std::max(klo - c0, 0));
-            j1 = std::max(j1, std::min(khi - c0, W));
+            j1 = std::max(j1, std::min(khi - c0, tile_keys));
           }
           with_rows(na, [&](auto rb) { accumulate_values<NV, decltype(rb)::value>(o, pp, alpha, vrow, j0, j1); });
           na = 0;
         };
         for (int i = hh * g; i < rows; i += (i % g == g - 1) ? per_token - g + 1 : 1) {
           const int klo = std::max(row_lo[i], pk0), khi = std::min(row_hi[i], pk1);
-          if (klo >= khi || khi <= c0 || klo >= c0 + W) continue;  // nothing this row sees in the chunk
+          if (klo >= khi || khi <= c0 || klo >= c0 + tile_keys) continue;  // nothing this row sees in the tile
           active[na++] = i;
           if (na == RB) flush();
         }
         if (na > 0) flush();
       }
-      if (c0 + W < pk1) std::copy(next_at, next_at + W, key_at);
+      if (more) std::copy(next_at, next_at + tile_keys, key_at);
     }
     if (it.partial >= 0) {  // a split decode: hand the partition's state to finish_split
       float* dst = partials_.data() + it.partial;
