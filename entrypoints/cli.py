@@ -67,6 +67,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens per stored KV chunk, a multiple of --block-size (default 256)")
     parser.add_argument("--kv-store-ttl-s", type=int, default=24 * 3600,
                         help="expiry of Redis KV entries in seconds (default 86400)")
+    parser.add_argument("--kv-always-load", action="store_true",
+                        help="load every KV store hit, even where this instance's measured tier rates and "
+                             "prefill rate say recomputing it is faster (default: load only what wins; "
+                             "docs/kv-tiers.md)")
     parser.add_argument("--kv-secret-file", default=None, metavar="PATH",
                         help="the deployment secret shared by its prefill, decode and store users (a file of "
                              "mode 0600; create one with `engine secret PATH`; or set ENGINE_KV_SECRET): "
@@ -87,6 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager, max_capture_size=args.max_capture_size,
                 kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s,
+                kv_always_load=args.kv_always_load,
                 kv_secret_file=args.kv_secret_file, cpu_cores=args.cpu_cores, num_threads=args.num_threads)
 
 
