@@ -174,6 +174,7 @@ class EngineCore:
         fmt = ChunkFormat(self.fingerprint, dtype,
                           (cfg.num_layers, 2, blocks_per_chunk, config.block_size, cfg.num_kv_heads, cfg.head_dim))
         tiers = TieredStore(parse_store_spec(config.kv_store, fmt, config.kv_store_ttl_s, config.kv_secret))
+        self.load_planner.bytes_per_token = fmt.nbytes / config.kv_chunk_tokens
         logger.info("KV store tiers: %s (%d-token chunks of %.1f MiB)", ", ".join(s.name for s in tiers.stores),
                     config.kv_chunk_tokens, fmt.nbytes / 2**20)
         return (TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens, planner=self.load_planner,

@@ -231,3 +231,55 @@ def test_the_connector_loads_the_cpu_part_and_recomputes_the_disk_part(tmp_path)
         sched.request_finished(a, [])
     finally:
         worker.shutdown()
+
+
+# ---- the proxy weighs tier hits by the same estimate -----------------------------------------
+def _decision(planner: LoadPlanner, bytes_per_token: float) -> dict:
+    planner.bytes_per_token = bytes_per_token
+    return planner.snapshot()
+
+
+def test_load_share_is_load_time_over_compute_time():
+    from engine.kv_transfer.load_cost import load_share
+    decision = _decision(_planner(per_token=1e-3, disk=1e6), 1000.0)  # a token: 1 ms to compute or to load
+    assert load_share(decision, "disk", 0, 16) == pytest.approx(1.0)
+    decision = _decision(_planner(per_token=1e-3, disk=4e6), 1000.0)
+    assert load_share(decision, "disk", 0, 16) == pytest.approx(0.25)
+    decision = _decision(_planner(per_token=1e-3, disk=1e3), 1000.0)
+    assert load_share(decision, "disk", 0, 16) == 1.0  # slower than computing: it is computed
+    # No estimate (an older instance, the decision off, no prefill measured yet): a free hit.
+    assert load_share(None, "disk", 0, 16) == load_share({"enabled": True}, "disk", 0, 16) == 0.0
+    off = _decision(_planner(per_token=1e-3, disk=1e3), 1000.0)
+    off["enabled"] = False
+    assert load_share(off, "disk", 0, 16) == 0.0
+
+
+def test_the_router_prefers_a_pool_hit_to_a_tier_hit_that_loads_slower_than_it_computes():
+    from engine.kv_events import MEDIUM_DISK
+    from entrypoints.kv_router import InstanceIndex, KVRouter
+
+    class Upstream:
+        def __init__(self, url: str) -> None:
+            self.url, self.in_flight = url, 0
+
+    class Prompt:
+        num_tokens = 100 * 16
+        by_hasher = {("h", 16): [bytes([i]) * 32 for i in range(100)]}
+
+    router = KVRouter()
+    pool, tier = Upstream("http://pool"), Upstream("http://tier")
+    for up in (pool, tier):
+        router.indexes[up.url] = InstanceIndex(up.url)
+        router.hasher_keys[up.url] = ("h", 16)
+    router.indexes[pool.url].hashes.update(Prompt.by_hasher[("h", 16)][:60])  # 60 blocks in its pool
+    router.indexes[tier.url].tiers[MEDIUM_DISK] = set(Prompt.by_hasher[("h", 16)][:90])  # 90 on its disk
+    # Without an estimate the tier's 90 blocks count in full: it wins.
+    assert router.choose([tier, pool], Prompt())[0] is tier
+    # Its disk measured slower than its prefill: its blocks are as good as uncached.
+    router.observe_load_decision(tier.url, _decision(_planner(per_token=1e-3, disk=1e3), 1000.0))
+    assert router.indexes[tier.url].prefix_media(Prompt.by_hasher[("h", 16)])[:1] == [MEDIUM_DISK]
+    assert router.choose([tier, pool], Prompt()) == (pool, 60 * 16)
+    # Measured fast: the tier wins again.
+    router.observe_load_decision(tier.url, _decision(_planner(per_token=1e-3, disk=1e9), 1000.0))
+    best, hit = router.choose([tier, pool], Prompt())
+    assert best is tier and hit == pytest.approx(90 * 16, abs=2)

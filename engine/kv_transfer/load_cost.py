@@ -141,8 +141,9 @@ class LoadPlanner:
     halves (they feed transfers and ask). All on the engine's step thread; the lock only guards
     readers of ``snapshot`` on others."""
 
-    def __init__(self, always_load: bool = False) -> None:
+    def __init__(self, always_load: bool = False, bytes_per_token: float = 0.0) -> None:
         self.always_load = always_load
+        self.bytes_per_token = bytes_per_token  # of the stored chunks: what routers weigh a tier hit by
         self.prefill = PrefillCost()
         self.rates: dict[str, SourceRate] = {}
         self.decisions = Decisions()
@@ -201,7 +202,7 @@ class LoadPlanner:
             fit = self.prefill.fit
             d = self.decisions
             return {
-                "enabled": not self.always_load,
+                "enabled": not self.always_load, "bytes_per_token": self.bytes_per_token,
                 "decisions": {"load": d.load, "partial": d.partial, "recompute": d.recompute},
                 "tokens_loaded": d.tokens_loaded, "tokens_recomputed": d.tokens_recomputed,
                 "sources": {name: {"bytes_per_s": r.bytes_per_s, "measured": r.samples > 0}
@@ -226,3 +227,21 @@ def step_features(requests) -> tuple[int, float]:
         tokens += n
         pairs += attended_pairs(n, ctx)
     return tokens, pairs
+
+
+def load_share(decision: dict | None, source: str, start: int, end: int) -> float:
+    """For a router: the share of recomputing tokens [start, end) that having them in ``source``
+    (a tier's name) still costs, by an instance's /status ``kv_load_decision``: loading time over
+    computing time, at most 1 (the instance recomputes what loads slower). 0 (a free hit, as
+    before) while the instance has no estimate to go by or has the decision off."""
+    try:
+        if not decision or not decision["enabled"] or decision["prefill"] is None or end <= start:
+            return 0.0
+        prefill = decision["prefill"]
+        fit = PrefillFit(0.0, float(prefill["per_token_s"]), float(prefill["per_pair_s"]))
+        rate = decision["sources"].get(source, {}).get("bytes_per_s") or SEED_RATES.get(source, DEFAULT_SEED_RATE)
+        load_s = (end - start) * float(decision["bytes_per_token"]) / float(rate)
+        compute_s = fit.seconds(start, end)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return 0.0  # an instance of another release: its hits count as before
+    return min(1.0, load_s / compute_s) if compute_s > 0 else 1.0
