@@ -317,6 +317,14 @@ def format_status(url: str, status: dict) -> str:
     for tier, t in status.get("kv_store", {}).items():
         lines.append(f"  store {tier:5s} hits {t['hits']}  misses {t['misses']}  used {t['used_bytes'] / 2**20:.1f} MiB  "
                      f"stored {t['bytes_stored'] / 2**20:.1f} MiB  loaded {t['bytes_loaded'] / 2**20:.1f} MiB")
+    decision = status.get("kv_load_decision")
+    if decision:
+        d = decision["decisions"]
+        rates = "  ".join(f"{name} {r['bytes_per_s'] / 1e6:.0f} MB/s{'' if r['measured'] else ' (seed)'}"
+                          for name, r in decision["sources"].items())
+        lines.append(f"  load/compute {'on' if decision['enabled'] else 'off (--kv-always-load)'}  load {d['load']}  "
+                     f"partial {d['partial']}  recompute {d['recompute']}  tokens loaded "
+                     f"{decision['tokens_loaded']} recomputed {decision['tokens_recomputed']}  {rates}")
     return "\n".join(lines)
 
 
