@@ -183,6 +183,9 @@ class EngineConfig:
     kv_store: str | None = None
     kv_chunk_tokens: int = 256  # tokens per stored chunk, a multiple of block_size
     kv_store_ttl_s: int = 24 * 3600  # Redis entries expire after this long without a write
+    # Load every tier hit, even where this instance's measured rates say recomputing it is faster
+    # (the load-or-recompute decision off: engine/kv_transfer/load_cost.py).
+    kv_always_load: bool = False
     # The deployment secret (engine/kv_transfer/secret.py): a file holding it, or the secret
     # itself; neither given: $ENGINE_KV_SECRET, else none (KV plane open to this host only).
     kv_secret_file: str | None = None
@@ -245,6 +248,8 @@ class EngineConfig:
             raise ValueError(f"max_capture_size must be a non-negative integer, got {self.max_capture_size!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.kv_always_load, bool):
+            raise ValueError(f"kv_always_load must be True or False, got {self.kv_always_load!r}")
         if not isinstance(self.kv_store_ttl_s, int) or self.kv_store_ttl_s < 1:
             raise ValueError(f"kv_store_ttl_s must be a positive integer, got {self.kv_store_ttl_s!r}")
         if self.kv_secret is None:

@@ -111,6 +111,7 @@ class EngineCoreProc:
             kv_transfer_seconds=connector.transfer_seconds, kv_auth_failures=connector.auth_failures,
             kv_store={tier: TierStats(**t) for tier, t in connector.stores.items()},
             kv_pulls={peer: PeerPulls(**p) for peer, p in connector.pulls.items()},
+            kv_load_decision=self.engine.load_decision(),
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks, kv_cache_usage=kv.usage,

@@ -23,6 +23,7 @@ from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.base import NoOpConnectorWorker
 from engine.kv_transfer.first_token import first_tokens_for, hand_off_params
+from engine.kv_transfer.load_cost import LoadPlanner, step_features
 from engine.kv_transfer.multi import MultiConnectorScheduler, MultiConnectorWorker
 from engine.kv_transfer.p2p import P2PConnectorScheduler
 from engine.kv_transfer.p2p_worker import STAGING_BYTES, P2PConnectorWorker
@@ -116,6 +117,8 @@ class EngineCore:
                             f"{KV_LAYOUT}")
         self.engine_id = uuid.uuid4().hex[:12]
         connector, connector_worker = None, NoOpConnectorWorker()
+        # Whether KV a tier holds is worth loading, by measured rates (engine/kv_transfer/load_cost.py).
+        self.load_planner = LoadPlanner(always_load=config.kv_always_load)
         self._tiers = None  # (scheduler half, worker half) of the KV store tiers, if any
         if uses_p2p:
             port = transfer.kv_port if transfer.kv_role in ("kv_producer", "kv_both") else None
@@ -171,9 +174,11 @@ class EngineCore:
         fmt = ChunkFormat(self.fingerprint, dtype,
                           (cfg.num_layers, 2, blocks_per_chunk, config.block_size, cfg.num_kv_heads, cfg.head_dim))
         tiers = TieredStore(parse_store_spec(config.kv_store, fmt, config.kv_store_ttl_s, config.kv_secret))
+        self.load_planner.bytes_per_token = fmt.nbytes / config.kv_chunk_tokens
         logger.info("KV store tiers: %s (%d-token chunks of %.1f MiB)", ", ".join(s.name for s in tiers.stores),
                     config.kv_chunk_tokens, fmt.nbytes / 2**20)
-        return TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens), TieredConnectorWorker(tiers)
+        return (TieredConnectorScheduler(config.block_size, config.kv_chunk_tokens, planner=self.load_planner,
+                                         chunk_bytes=fmt.nbytes), TieredConnectorWorker(tiers))
 
     def _eos_token_ids(self, hf_config: dict, gen_config: dict) -> frozenset[int]:
         ids: set[int] = set()
@@ -412,11 +417,13 @@ class EngineCore:
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         if timeline.enabled:
             timeline.mark("core.scheduled", *(new.req_id for new in scheduler_output.scheduled_new_reqs))
+        started = time.perf_counter()
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as exc:
             outputs += self._contain_step_failure(scheduler_output, exc)
         else:
+            self._observe_step(scheduler_output, time.perf_counter() - started)
             if scheduler_output.total_num_scheduled_tokens:
                 self._failed_steps = self._isolated_failures = 0
             self._keep_connector_stats(runner_output.kv_connector_output.stats)
@@ -436,6 +443,16 @@ class EngineCore:
         if timeline.enabled:
             timeline.mark("core.outputs", *(out.req_id for out in outputs))
         return outputs
+
+    def _observe_step(self, scheduler_output, seconds: float) -> None:
+        """The step's cost, for the prefill fit of the load-or-recompute decision. (The scheduler
+        advanced each request's computed tokens when it planned the step.)"""
+        if self._tiers is None or not scheduler_output.total_num_scheduled_tokens:
+            return
+        requests = self.scheduler.requests
+        tokens, pairs = step_features((n, requests[r].num_computed_tokens - n)
+                                      for r, n in scheduler_output.num_scheduled_tokens.items() if r in requests)
+        self.load_planner.observe_step(tokens, pairs, seconds)
 
     def save_kv(self) -> None:
         """The last step's KV offers and tier saves: call it once the step's outputs are on their
@@ -517,6 +534,10 @@ class EngineCore:
             return []
         events, pool.kv_events = pool.kv_events, []
         return events
+
+    def load_decision(self) -> dict:
+        """The load-or-recompute decision's totals, rates and prefill fit (empty without tiers)."""
+        return self.load_planner.snapshot() if self._tiers is not None else {}
 
     def drain_kv_connector_stats(self) -> KVConnectorStats:
         """The latest counters with the durations since the previous drain (the core's stats messages)."""

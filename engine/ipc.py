@@ -169,6 +169,9 @@ class EngineStats(msgspec.Struct):
     kv_transfer_seconds: list[float] = []
     kv_store: dict[str, TierStats] = {}  # per KV store tier ("cpu", "disk", "redis")
     kv_pulls: dict[str, PeerPulls] = {}  # per producer's KV address
+    # The load-or-recompute decision (engine/kv_transfer/load_cost.py LoadPlanner.snapshot): its
+    # totals, each source's rate and the prefill fit; empty without KV store tiers.
+    kv_load_decision: dict = {}
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

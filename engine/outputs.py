@@ -77,6 +77,12 @@ class KVConnectorOutput:
     # from the first one asked, some tier holds; blocks of the longest trailing chunk found
     # after them, 0 if none). The worker pinned them for the request.
     lookups: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Where each chunk a lookup found is (the fastest tier holding it), in the order of the
+    # chunks: the full ones, then the trailing one. Read by the load-or-recompute decision.
+    lookup_sources: dict[str, list[str]] = field(default_factory=dict)
+    # Transfers timed since the last step: (source, bytes, seconds), source a tier's name or
+    # "peer:<address>"; loads, and writes to a tier (the same link), feed its rate estimate.
+    transfer_samples: list[tuple[str, int, float]] = field(default_factory=list)
     # What entered and left the CPU and disk tiers (KV events; kv_transfer/tier_events.py).
     kv_events: list = field(default_factory=list)
     # What each load that ended took (bytes, seconds, peer or tiers, outcome): for request traces.

@@ -28,6 +28,7 @@ from engine.kv_transfer.params import (
 )
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from entrypoints import tracing
+from entrypoints.load_decision_metrics import LoadDecisionCollector
 from entrypoints.metrics import ServerMetrics
 from entrypoints.prompt_inputs import CHAT_ROLES, ContentPartError, message_text
 from entrypoints.protocol import (
@@ -103,6 +104,7 @@ class OpenAIServer:
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._ll_tokenizer = None  # see _grammar_tokenizer (only ever touched on that one thread)
         self.metrics = ServerMetrics(served_model_names[0], lambda: client.stats)
+        self.metrics.registry.register(LoadDecisionCollector(lambda: client.stats, served_model_names[0]))
         client.on_stats = self.metrics.observe_stats
 
     # ---- input -------------------------------------------------------------------------
@@ -761,6 +763,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
                                     "bytes_loaded": t.bytes_loaded, "used_bytes": t.used_bytes,
                                     "rejected": t.rejected}
                              for tier, t in stats.kv_store.items()},
+                "kv_load_decision": stats.kv_load_decision,
                 "kv_events": server.kv_events_info()}
 
     return app

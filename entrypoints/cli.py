@@ -67,6 +67,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens per stored KV chunk, a multiple of --block-size (default 256)")
     parser.add_argument("--kv-store-ttl-s", type=int, default=24 * 3600,
                         help="expiry of Redis KV entries in seconds (default 86400)")
+    parser.add_argument("--kv-always-load", action="store_true",
+                        help="load every KV store hit, even where this instance's measured tier rates and "
+                             "prefill rate say recomputing it is faster (default: load only what wins; "
+                             "docs/kv-tiers.md)")
     parser.add_argument("--kv-secret-file", default=None, metavar="PATH",
                         help="the deployment secret shared by its prefill, decode and store users (a file of "
                              "mode 0600; create one with `engine secret PATH`; or set ENGINE_KV_SECRET): "
@@ -87,6 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager, max_capture_size=args.max_capture_size,
                 kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s,
+                kv_always_load=args.kv_always_load,
                 kv_secret_file=args.kv_secret_file, cpu_cores=args.cpu_cores, num_threads=args.num_threads)
 
 
@@ -327,6 +332,14 @@ def format_status(url: str, status: dict) -> str:
     for tier, t in status.get("kv_store", {}).items():
         lines.append(f"  store {tier:5s} hits {t['hits']}  misses {t['misses']}  used {t['used_bytes'] / 2**20:.1f} MiB  "
                      f"stored {t['bytes_stored'] / 2**20:.1f} MiB  loaded {t['bytes_loaded'] / 2**20:.1f} MiB")
+    decision = status.get("kv_load_decision")
+    if decision:
+        d = decision["decisions"]
+        rates = "  ".join(f"{name} {r['bytes_per_s'] / 1e6:.0f} MB/s{'' if r['measured'] else ' (seed)'}"
+                          for name, r in decision["sources"].items())
+        lines.append(f"  load/compute {'on' if decision['enabled'] else 'off (--kv-always-load)'}  load {d['load']}  "
+                     f"partial {d['partial']}  recompute {d['recompute']}  tokens loaded "
+                     f"{decision['tokens_loaded']} recomputed {decision['tokens_recomputed']}  {rates}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ lowest cost:
     cost(i) = uncached_prompt_tokens(i) + load_weight * in_flight(i)
 
 where uncached_prompt_tokens(i) is the prompt length minus the longest prefix of its blocks
-instance i holds, and in_flight(i) the requests this proxy has open there. ``load_weight``
+instance i holds (a block in one of its tiers, not its pool, counts as cached for the share of
+its recompute that loading it saves, by the instance's own estimate in its /status
+``kv_load_decision``: engine/kv_transfer/load_cost.py ``load_share``), and in_flight(i) the requests this proxy has open there. ``load_weight``
 (``--kv-load-weight``, tokens per open request, default 32) trades cache hits against load: a
 cached prefix of 1,000 tokens outweighs 31 extra open requests, because an engine batches a new
 request with its running ones (an open request costs it little) while a prefix computed again
@@ -40,9 +42,12 @@ import zmq
 import zmq.utils.monitor
 
 from engine.block_pool import BlockHasher
+from engine.kv_transfer.load_cost import load_share
 from engine.kv_events import (
     END_OF_REPLAY,
     MEDIUM,
+    MEDIUM_CPU,
+    MEDIUM_DISK,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -56,6 +61,7 @@ from engine.vllm_block_hash import VllmBlockHasher
 logger = logging.getLogger("engine.proxy")
 
 REPLAY_TIMEOUT_MS = 2000
+TIER_OF_MEDIUM = {MEDIUM_CPU: "cpu", MEDIUM_DISK: "disk"}  # what the load estimate calls each tier
 
 
 @dataclass
@@ -72,6 +78,8 @@ class InstanceIndex:
     routed: int = 0  # requests routed here
     prompt_tokens: int = 0  # of those requests
     predicted_hits: int = 0  # prompt tokens the index said were cached here
+    # Its /status kv_load_decision at the last poll: how much a tier hit there saves.
+    load_decision: dict | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
@@ -96,13 +104,29 @@ class InstanceIndex:
             self.resyncs += 1
 
     def prefix_blocks(self, hashes: list[bytes]) -> int:
+        return len(self.prefix_media(hashes))
+
+    def prefix_media(self, hashes: list[bytes]) -> list[str]:
+        """Where each block of the longest held prefix is: MEDIUM (the pool) or a tier's medium."""
         with self.lock:
-            n = 0
+            media = []
             for h in hashes:
-                if h not in self.hashes and not any(h in held for held in self.tiers.values()):
+                medium = MEDIUM if h in self.hashes else next(
+                    (m for m, held in self.tiers.items() if h in held), None)
+                if medium is None:
                     break
-                n += 1
-            return n
+                media.append(medium)
+            return media
+
+    def hit_tokens(self, hashes: list[bytes], block_size: int) -> float:
+        """Prompt tokens as good as cached here: the pool's blocks in full, a tier's for the share
+        of their recompute that loading them saves (by the instance's own estimate)."""
+        hit = 0.0
+        for i, medium in enumerate(self.prefix_media(hashes)):
+            cost = 0.0 if medium == MEDIUM else load_share(
+                self.load_decision, TIER_OF_MEDIUM.get(medium, ""), i * block_size, (i + 1) * block_size)
+            hit += block_size * (1.0 - cost)
+        return hit
 
 
 class EventSubscriber(threading.Thread):
@@ -339,7 +363,7 @@ class KVRouter:
             hit = 0
             key, index = self.hasher_keys.get(upstream.url), self.indexes.get(upstream.url)
             if prompt is not None and key is not None and index is not None:
-                hit = index.prefix_blocks(prompt.by_hasher.get(key, [])) * key[1]
+                hit = round(index.hit_tokens(prompt.by_hasher.get(key, []), key[1]))
             load = upstream.in_flight
             if extra:  # a pull's cost, for the part of the prompt not cached there
                 uncached = 1 - hit / prompt.num_tokens if prompt and prompt.num_tokens else 1
@@ -348,6 +372,12 @@ class KVRouter:
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_hit = upstream, cost, hit
         return best, best_hit
+
+    def observe_load_decision(self, url: str, decision: dict | None) -> None:
+        """An instance's /status kv_load_decision, read with its KV events' endpoints."""
+        index = self.indexes.get(url)
+        if index is not None:
+            index.load_decision = decision if isinstance(decision, dict) else None
 
     def count(self, url: str, prompt: "PromptBlocks | None", hit: int) -> None:
         """One routed request (counted once, whatever was tried before)."""

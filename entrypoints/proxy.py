@@ -308,6 +308,7 @@ class Proxy:
                     if resp.status_code != 200:
                         continue
                     self.router.watch(url, resp.json().get("kv_events"))
+                    self.router.observe_load_decision(url, resp.json().get("kv_load_decision"))
                 except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
                     if url not in self.router.indexes:
                         logger.warning("cannot follow the KV events of %s yet: %s", url, exc)

@@ -42,7 +42,7 @@ def test_serve_help_documents_every_flag():
     for flag in ["--block-size", "--kv-cache-memory", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
                  "--max-model-len", "--dtype", "--seed", "--served-model-name", "--api-key", "--max-queue-len",
                  "--role", "--kv-port", "--kv-transfer-config", "--kv-load-failure-policy", "--kv-store",
-                 "--kv-chunk-tokens", "--kv-store-ttl-s"]:
+                 "--kv-chunk-tokens", "--kv-store-ttl-s", "--kv-always-load"]:
         assert flag in out, flag
 
 

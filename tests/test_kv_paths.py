@@ -149,8 +149,8 @@ def test_kv_aware_routing_charges_a_slow_path_only_for_what_it_would_pull():
     router.hasher_keys["http://d1"] = ("h", 16)  # d1 holds 60 of the prompt's blocks: 960 tokens
 
     class Index:
-        def prefix_blocks(self, hashes):
-            return 60
+        def hit_tokens(self, hashes, block_size):
+            return 60 * block_size
     router.indexes["http://d1"] = Index()
     assert router.choose([d1, d2], Prompt(), extra)[0] is d1
 

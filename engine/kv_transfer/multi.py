@@ -140,6 +140,8 @@ class MultiConnectorWorker(KVConnectorWorker):
             merged.failed_recving |= out.failed_recving
             merged.failure_reasons.update(out.failure_reasons)
             merged.lookups.update(out.lookups)
+            merged.lookup_sources.update(out.lookup_sources)
+            merged.transfer_samples += out.transfer_samples
             merged.kv_events += out.kv_events
             merged.load_traces.update(out.load_traces)
         return merged

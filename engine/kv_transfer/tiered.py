@@ -20,6 +20,11 @@ This half never calls a store: even an in-memory call (pin, unpin) takes a store
 disk tier holds across file deletions. Pins are the worker's: a lookup pins what it found (a
 lease) until the load has read it or the scheduler releases the lookup.
 
+Load or recompute (``load_cost.py``): a lookup's answer says which tier holds each chunk found;
+the chunks are loaded only as far as loading them is expected to be faster than computing them,
+by the tiers' measured rates and this instance's measured prefill (``--kv-always-load``: all of
+them, as before). A chunk promised by a prefill instance is always loaded.
+
 Keys are the SHA-256 chained hash of a chunk's last block (it covers every token before it
 and, through the root hash, the model fingerprint, dtype, block size and layout).
 """
@@ -30,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_transfer.base import KVConnectorScheduler
+from engine.kv_transfer.load_cost import LoadOption, LoadPlanner
 from engine.kv_events import event_extra_keys
 from engine.kv_transfer.params import KVTransferParams, token_digest
 from engine.kv_transfer.tier_events import ChunkNames
@@ -109,6 +115,10 @@ class PendingLookup:
     found: int | None = None  # leading chunks found from first_chunk; None until answered
     tail_blocks: int = 0    # blocks of the trailing chunk found after them
     timed_out: bool = False   # the deadline passed first: a miss, and later answers are ignored
+    sources: list[str] = field(default_factory=list)  # the tier of each chunk found, in order
+    # The load-or-recompute decision last made on the answer: (local tokens it was made for,
+    # the chunks it could load, how many of them it loads), counted once the request is admitted.
+    plan: tuple[int, list[LoadOption], int] | None = None
 
 
 # How long a kv_store_tokens promise may be acted on: it is used right after the prefill answers.
@@ -117,8 +127,12 @@ PROMISE_TTL_S = 60.0
 
 class TieredConnectorScheduler(KVConnectorScheduler):
     def __init__(self, block_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 wait_s: float = DEFAULT_PROMISED_WAIT_S, lookup_timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
-        """Never calls a store: lookups and pins are the worker half's (see the module docstring)."""
+                 wait_s: float = DEFAULT_PROMISED_WAIT_S, lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+                 planner: LoadPlanner | None = None, chunk_bytes: int = 0) -> None:
+        """Never calls a store: lookups and pins are the worker half's (see the module docstring).
+        ``planner`` decides how much of a hit to load (None: all of it), reading a full chunk
+        costing ``chunk_bytes``."""
+        self.planner = planner
         if chunk_tokens <= 0 or chunk_tokens % block_size:
             raise ValueError(f"kv_chunk_tokens={chunk_tokens} must be a positive multiple of the block "
                              f"size ({block_size})")
@@ -129,6 +143,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = chunk_tokens // block_size
+        self.block_bytes = chunk_bytes // self.blocks_per_chunk
         self.describe_saves = False  # KV events are on: saves carry their blocks' names
         self.lookup_timeouts = 0  # lookups that became misses because no answer came in time
         self._meta = TieredMetadata()
@@ -174,7 +189,9 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             # A local prefix that grew since is fine: the answer still covers the chunks after it.
             end_chunk = min(lookup.first_chunk + lookup.found, last)
             tail = lookup.tail_blocks if end_chunk == lookup.first_chunk + lookup.found else 0
-            return self._match(min(end_chunk * self.blocks_per_chunk + tail, loadable), num_computed_tokens)
+            end_block = min(end_chunk * self.blocks_per_chunk + tail, loadable)
+            return self._match(self._worth_loading(request, lookup, end_block, num_computed_tokens),
+                               num_computed_tokens)
         if lookup.timed_out:
             return 0, False
         if time.monotonic() < lookup.deadline:
@@ -184,6 +201,24 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self._meta.releases.append(req_id)  # the worker drops it and unpins what it finds
         logger.debug("KV store lookup for %s timed out after %.2f s: a miss", req_id, self.lookup_timeout_s)
         return 0, False
+
+    def _worth_loading(self, request: Request, lookup: PendingLookup, end_block: int, num_computed: int) -> int:
+        """The block up to which the chunks found are worth loading (the planner's choice, at a
+        chunk's end: a chunk is read whole, so once read all of it is worth using)."""
+        if self.planner is None or end_block * self.block_size <= num_computed:
+            return end_block
+        options = []
+        bpc = self.blocks_per_chunk
+        for c in range(num_computed // self.chunk_tokens, -(-end_block // bpc)):
+            index = c - lookup.first_chunk
+            is_tail = index == lookup.found  # the trailing chunk found after the full ones
+            stored_blocks = lookup.tail_blocks if is_tail else bpc
+            source = lookup.sources[index] if index < len(lookup.sources) else "unknown"
+            options.append(LoadOption(min((c + 1) * bpc, end_block) * self.block_size,
+                                      stored_blocks * self.block_bytes, source))
+        loaded = self.planner.plan(num_computed, request.num_tokens, options)
+        lookup.plan = (num_computed, options, loaded)
+        return options[loaded - 1].end_token // self.block_size if loaded else num_computed // self.block_size
 
     @staticmethod
     def _promised_tokens(request: Request) -> int:
@@ -212,11 +247,16 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             request.block_hashes[first * self.blocks_per_chunk:last * self.blocks_per_chunk]))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if self.planner is not None:
+            for source, nbytes, seconds in output.transfer_samples:
+                if not source.startswith("peer:"):  # (a peer's pulls are the P2P half's to count)
+                    self.planner.observe_transfer(source, nbytes, seconds)
         for req_id, found in output.lookups.items():
             lookup = self._lookups.get(req_id)
             if lookup is None or lookup.timed_out or lookup.found is not None:
                 continue  # late (a miss already), or for a request that was admitted or ended
             lookup.found, lookup.tail_blocks = found
+            lookup.sources = output.lookup_sources.get(req_id, [])
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:
@@ -226,6 +266,10 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         # (Set, not raised: after a failed load, or a load by another connector that failed,
         # the chunks it was to bring are not in the tiers on our account.)
         self._saved[req_id] = end_chunk
+        lookup = self._lookups.get(req_id)
+        if self.planner is not None and lookup is not None and lookup.plan is not None \
+                and lookup.plan[0] == num_local_tokens:
+            self.planner.count(*lookup.plan)
         # Admitted: its lookup is used up. A load takes over the lookup's pins (the worker
         # unpins them once it has read the chunks); otherwise the worker unpins them now.
         if num_external_tokens == 0:

@@ -55,28 +55,31 @@ class TieredStore:
     def __init__(self, stores: list[KVStore]) -> None:
         self.stores = stores
 
-    def lookup(self, keys: list[str]) -> int:
-        """How many leading keys some tier holds (I/O: worker threads only)."""
-        found = [False] * len(keys)
+    def lookup(self, keys: list[str]) -> list[str]:
+        """The leading keys some tier holds: for each, the name of the fastest tier holding it
+        (I/O: worker threads only)."""
+        found: list[str | None] = [None] * len(keys)
         for store in self.stores:
-            todo = [i for i, f in enumerate(found) if not f]
+            todo = [i for i, f in enumerate(found) if f is None]
             if not todo:
                 break
             present = store.contains([keys[i] for i in todo])
             for i, p in zip(todo, present):
-                found[i] = p
+                if p:
+                    found[i] = store.name
             store.count(misses=present.count(False))
-        return found.index(False) if False in found else len(found)
+        return found[:found.index(None)] if None in found else found
 
-    def longest_tail(self, keys: list[str]) -> int | None:
+    def longest_tail(self, keys: list[str]) -> tuple[int, str] | None:
         """The index of the first of ``keys`` (candidate trailing chunks, longest first) that
-        some tier holds, or None (one existence check per tier)."""
+        some tier holds, and the fastest tier holding it; or None (one existence check per tier)."""
         best = None
         for store in self.stores:
             present = store.contains(keys)
             if True in present:
                 index = present.index(True)
-                best = index if best is None else min(best, index)
+                if best is None or index < best[0]:
+                    best = (index, store.name)
         return best
 
     def load(self, key: str) -> torch.Tensor | None:
@@ -141,6 +144,9 @@ class TieredConnectorWorker(KVConnectorWorker):
         self._ticket = 0
         self._asked: dict[str, int] = {}
         self._answers: dict[str, tuple[int, int]] = {}
+        self._answer_sources: dict[str, list[str]] = {}  # beside _answers: the tier of each chunk found
+        # Timed transfers not yet reported (source, bytes, seconds): the load-or-recompute rates.
+        self._samples: list[tuple[str, int, float]] = []
         self._leases: dict[str, list[str]] = {}
         # Several loaders: one load waiting for promised chunks must not hold up the others.
         self._threads = [threading.Thread(target=self._load_loop, name=f"kv-store-load-{i}", daemon=True)
@@ -191,6 +197,7 @@ class TieredConnectorWorker(KVConnectorWorker):
         uncollected answer is dropped, and its lease is handed to a lookup thread to unpin."""
         self._asked.pop(req_id, None)
         self._answers.pop(req_id, None)
+        self._answer_sources.pop(req_id, None)
         lease = self._leases.pop(req_id, None)
         if lease:
             unpins.append(lease)
@@ -240,9 +247,15 @@ class TieredConnectorWorker(KVConnectorWorker):
         done, failed, traces = self.loads.take_with_traces()
         with self._lock:
             answers, self._answers = self._answers, {}
+            sources, self._answer_sources = self._answer_sources, {}
+            samples, self._samples = self._samples, []
         return KVConnectorOutput(finished_recving=done, failed_recving=set(failed), failure_reasons=failed,
                                  lookups=answers, kv_events=self.events.drain() if self.events else [],
-                                 load_traces=traces)
+                                 load_traces=traces, lookup_sources=sources, transfer_samples=samples)
+
+    def _sample(self, source: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._samples.append((source, nbytes, seconds))
 
     def stats(self, read_used_bytes: bool = True) -> KVConnectorStats:
         """Never waits on a store: a slow tier's used_bytes is the saver's last reading (0 for
@@ -291,15 +304,17 @@ class TieredConnectorWorker(KVConnectorWorker):
             if self._asked.get(req_id) != job.ticket:
                 return  # released or superseded while queued: no I/O for an unwanted answer
         keys = job.lookup.keys
-        found = keys[:self.tiers.lookup(keys)]
+        sources = self.tiers.lookup(keys)
+        found = keys[:len(sources)]
         # Where the full chunks stop, the longest trailing chunk stored there.
         tails = job.lookup.tail_keys if len(found) == len(keys) else job.lookup.tails_at(len(found))
         tail_blocks = 0
         if tails:
-            index = self.tiers.longest_tail(tails)
-            if index is not None:
-                found.append(tails[index])
-                tail_blocks = len(tails) - index
+            tail = self.tiers.longest_tail(tails)
+            if tail is not None:
+                found.append(tails[tail[0]])
+                sources.append(tail[1])
+                tail_blocks = len(tails) - tail[0]
         if found:
             self.tiers.pin(found)  # before the answer is visible: a load never finds them unpinned
         with self._lock:
@@ -307,6 +322,7 @@ class TieredConnectorWorker(KVConnectorWorker):
             if current:
                 del self._asked[req_id]
                 self._answers[req_id] = (len(found) - (tail_blocks > 0), tail_blocks)
+                self._answer_sources[req_id] = sources
                 if found:
                     self._leases[req_id] = found
         if found and not current:
@@ -336,24 +352,28 @@ class TieredConnectorWorker(KVConnectorWorker):
             if error is not None and not error.startswith("cancelled"):
                 logger.info("KV store load for %s fell short (%s); recomputing", load.req_id, error)
 
-    def _fetch(self, load: TierLoad, key: str) -> tuple[torch.Tensor, str, float] | None:
+    def _fetch(self, load: TierLoad, key: str) -> tuple[torch.Tensor, str, float, bool] | None:
+        """The chunk, its tier, the seconds that tier took, and whether it came at the first try
+        (no wait for a promise)."""
         if self.loads.is_cancelled(load.req_id):
             return None
         found = self.tiers.load_from_tier(key)
+        first_try = found is not None
         while found is None and time.monotonic() < load.wait_until and not self.loads.is_cancelled(load.req_id):
             time.sleep(0.005)  # promised by a prefill instance whose write is still on its way
             found = self.tiers.load_from_tier(key)
-        return found
+        return None if found is None else (*found, first_try)
 
     def _load(self, load: TierLoad, trace: KVLoadTrace) -> str | None:
         """Copies the load's chunks into its blocks, counting each chunk in ``trace`` by its tier."""
         for chunk in load.chunks:
             if self.loads.is_cancelled(load.req_id):
                 return "cancelled: the request ended"
+            start = time.perf_counter()
             found = self._fetch(load, chunk.key)
             if found is None:
                 return f"miss: chunk {chunk.key[:12]} is in no tier (evicted, or never written)"
-            kv, tier, seconds = found
+            kv, tier, seconds, first_try = found
             nbytes = len(chunk.block_ids) * kv[:, :, :1].numel() * kv.element_size()
             counted = trace.tiers.setdefault(tier, TierLoadTrace())
             tokens = len(chunk.block_ids) * kv.shape[3]
@@ -367,6 +387,8 @@ class TieredConnectorWorker(KVConnectorWorker):
             with off_step_stream(self.kv.device):
                 for s, d, n in contiguous_runs(src, chunk.block_ids):
                     self.kv[:, :, d:d + n].copy_(kv[:, :, s:s + n])
+            if first_try:  # (a wait for a promised write says nothing about the tier's rate)
+                self._sample(tier, kv.numel() * kv.element_size(), time.perf_counter() - start)
         return None
 
     # ---- saver thread --------------------------------------------------------------------
@@ -379,7 +401,11 @@ class TieredConnectorWorker(KVConnectorWorker):
                 continue
             try:
                 for store in self._slow_tiers:
+                    stored, start = store.stats.bytes_stored, time.perf_counter()
                     store.put(key, chunk)
+                    written = store.stats.bytes_stored - stored
+                    if written > 0:  # a write that crossed (not skipped: a tier off, an entry there)
+                        self._sample(store.name, written, time.perf_counter() - start)
             except Exception:  # a store bug must not kill the saver: log and go on
                 logger.exception("KV store write of %s failed", key)
             finally:
