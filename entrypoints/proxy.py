@@ -389,15 +389,7 @@ class Proxy:
 
     async def handle(self, raw: Request, path: str) -> Response:
         """A client's request, in the proxy's span when tracing is on (entrypoints/tracing.py)."""
-        span = tracing.start_proxy_span(raw.headers, time.monotonic(), self.policy)
-        if span is None:
-            return await self._handle(raw, path)
-        try:
-            response = await self._handle(raw, path)
-        except BaseException:
-            span.end(500)
-            raise
-        return tracing.end_with_response(span, response)
+        return await tracing.traced_request(raw.headers, self.policy, lambda: self._handle(raw, path))
 
     async def _handle(self, raw: Request, path: str) -> Response:
         received = time.monotonic()

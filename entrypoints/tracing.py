@@ -154,6 +154,20 @@ def start_proxy_span(headers, received: float, policy: str) -> ProxySpan | None:
     return span
 
 
+async def traced_request(headers, policy: str, handle):
+    """``await handle()`` (a router's handling of one client request) inside its span when
+    tracing is on: ended with the response's status, or 500 when it raised."""
+    span = start_proxy_span(headers, time.monotonic(), policy)
+    if span is None:
+        return await handle()
+    try:
+        response = await handle()
+    except BaseException:
+        span.end(500)
+        raise
+    return end_with_response(span, response)
+
+
 def end_with_response(span: ProxySpan, response):
     """Ends ``span`` when ``response`` is sent: at once, or for a stream once its body ended."""
     from fastapi.responses import StreamingResponse

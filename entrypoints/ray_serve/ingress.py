@@ -11,7 +11,6 @@ replica continues from its KV; a hand-off nobody will use is released at once.
 import asyncio
 import json
 import logging
-import time
 
 import httpx
 from fastapi import FastAPI, Request
@@ -120,15 +119,7 @@ class PDIngress:
 
     async def handle(self, raw: Request, path: str) -> Response:
         """A client's request, in the ingress's span when tracing is on (entrypoints/tracing.py)."""
-        span = tracing.start_proxy_span(raw.headers, time.monotonic(), f"ray-serve:{self.routing}")
-        if span is None:
-            return await self._handle(raw, path)
-        try:
-            response = await self._handle(raw, path)
-        except BaseException:
-            span.end(500)
-            raise
-        return tracing.end_with_response(span, response)
+        return await tracing.traced_request(raw.headers, f"ray-serve:{self.routing}", lambda: self._handle(raw, path))
 
     async def _handle(self, raw: Request, path: str) -> Response:
         read = await read_client_request(raw, "rs")
