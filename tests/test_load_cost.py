@@ -92,13 +92,20 @@ def test_the_fit_never_goes_negative_and_grows_with_context(seed, noise):
     assert fit.seconds(4096, 4352) >= fit.seconds(0, 256) > 0
 
 
-def test_no_fit_before_a_prefill_was_seen():
+def test_the_fit_is_made_of_prefill_steps_alone():
+    """Decode steps (memory-bound attention) never enter it: no fit from decodes alone, and
+    decodes after the prefills do not move it."""
     cost = PrefillCost()
     for _ in range(50):
         cost.observe(4, attended_pairs(1, 100) * 4, 0.01)  # decode steps only
     assert cost.fit is None
-    cost.observe(300, attended_pairs(300, 0), 0.2)
-    assert cost.fit is not None
+    for n in (300, 200, 500, 100):
+        cost.observe(n, attended_pairs(n, 0), 1e-3 * n)
+    fit = cost.fit
+    assert fit is not None
+    for _ in range(300):  # a window's worth of decodes, far slower per token
+        cost.observe(4, attended_pairs(1, 4000) * 4, 0.5)
+    assert cost.fit == fit
 
 
 def test_attended_pairs_are_the_causal_count():
@@ -118,6 +125,62 @@ def _planner(per_token: float = 1e-3, per_pair: float = 0.0, **rates: float) -> 
 
 def _options(sources: list[str], chunk_tokens: int = 256, chunk_bytes: int = 10**6) -> list[LoadOption]:
     return [LoadOption((c + 1) * chunk_tokens, chunk_bytes, s) for c, s in enumerate(sources)]
+
+
+def test_a_source_never_read_from_is_loaded_and_a_declined_one_retried_now_and_then():
+    """An unmeasured source is loaded (which measures it): its seed rate would otherwise decide
+    for good, since what is never loaded is never timed. A measured slow one is declined, but
+    every EXPLORE_EVERY-th decline loads anyway, so a link that got faster is seen again."""
+    from engine.kv_transfer.load_cost import EXPLORE_EVERY
+    planner = _planner(per_token=1e-6)  # recompute is nearly free
+    assert planner.plan(0, 2048, _options(["redis"] * 4)) == 4
+    planner.observe_transfer("redis", 10**6, 10.0)  # 100 kB/s
+    choices = [planner.plan(0, 2048, _options(["redis"] * 4)) for _ in range(2 * EXPLORE_EVERY)]
+    assert choices.count(4) == 2 and choices.count(0) == 2 * EXPLORE_EVERY - 2
+    assert choices[EXPLORE_EVERY - 1] == 4
+
+
+def test_chunks_recomputed_instead_of_loaded_are_not_saved_again(tmp_path):
+    """A decision to recompute chunks a tier holds must not send them back to it (over the link
+    just judged too slow to read them): the step that computes them saves nothing already there."""
+    from engine.kv_transfer.stores.disk import DiskStore
+    from engine.kv_transfer.tiered import TieredConnectorScheduler
+    from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
+    from engine.outputs import CachedRequestData, SchedulerOutput
+    from tests.scheduler_utils import make_request
+    from tests.test_kv_store import FMT, _chunk
+
+    disk = DiskStore(str(tmp_path / "kv"), 2**24, FMT)
+    planner = _planner(per_token=1e-3)
+    planner.observe_transfer("disk", FMT.nbytes, 10.0)
+    sched = TieredConnectorScheduler(block_size=4, chunk_tokens=16, planner=planner, chunk_bytes=FMT.nbytes)
+    worker = TieredConnectorWorker(TieredStore([disk]))
+    worker.register_kv_caches(torch.zeros(2, 2, 64, 4, 2, 8))
+
+    def step(output=None):
+        meta = sched.build_connector_meta(output or SchedulerOutput([], CachedRequestData(), {}, 0, set()))
+        worker.start_load_kv(meta)
+        sched.update_connector_output(worker.get_finished())
+        return meta
+
+    try:
+        a = make_request("a", 65)
+        keys = [a.block_hashes[(c + 1) * 4 - 1].hex() for c in range(4)]
+        for c, key in enumerate(keys):
+            disk.put(key, _chunk(c))
+        assert sched.get_num_new_matched_tokens(a, 0) is None
+        step()
+        deadline = time.monotonic() + 10
+        while (match := sched.get_num_new_matched_tokens(a, 0)) is None and time.monotonic() < deadline:
+            step()
+            time.sleep(0.01)
+        assert match == (0, False)  # all recomputed
+        sched.update_state_after_alloc(a, list(range(17)), 0, 0)
+        sched.block_ids_of = lambda req_id: list(range(17))
+        meta = step(SchedulerOutput([], CachedRequestData(), {"a": 64}, 64, set()))
+        assert not [save.key for save in meta.saves if save.key in keys]
+    finally:
+        worker.shutdown()
 
 
 def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed():
@@ -209,6 +272,7 @@ def test_the_connector_loads_the_cpu_part_and_recomputes_the_disk_part(tmp_path)
         for c, key in enumerate(keys):
             (cpu if c < 2 else disk).put(key, _chunk(c))
         planner.observe_transfer("disk", FMT.nbytes, 10.0)  # a chunk takes 10 s from disk
+        planner.observe_transfer("cpu", FMT.nbytes, 1e-4)  # and 0.1 ms from memory
         assert sched.get_num_new_matched_tokens(a, 0) is None
         step()
         deadline = time.monotonic() + 10
@@ -226,7 +290,7 @@ def test_the_connector_loads_the_cpu_part_and_recomputes_the_disk_part(tmp_path)
         assert snap["decisions"]["partial"] == 1 and snap["tokens_loaded"] == 32 and snap["tokens_recomputed"] == 32
         # The loads were timed: the CPU tier is measured now.
         step()
-        assert planner.rate("cpu").samples == 2
+        assert planner.rate("cpu").samples == 3
         sched.transfer_done("a")
         sched.request_finished(a, [])
     finally:

@@ -122,6 +122,24 @@ def test_split_k_segments_are_sized_from_each_context():
         torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
+def test_the_probe_checks_every_split_count(monkeypatch):
+    """Where the probe's long decode splits (on a GPU), every split count the backend may choose
+    later is run and compared at start: one that computes wrongly fails the probe."""
+    from engine.worker.backends import probe, triton_kernels
+    from engine.worker.backends import triton_attn
+    monkeypatch.setattr(triton_attn, "target_programs", lambda device: 64)  # as a GPU's would split
+    backend = TritonBackend(2, 32, 1)
+    assert probe.probe_failure(backend, 2, 1, 32, 16, CPU, torch.float32, None, (None,)) is None
+    real = triton_kernels.paged_attention
+
+    def wrong_at_8(*args):  # (the backend passes num_splits last)
+        out = real(*args)
+        return out + 1.0 if args[-1] == 8 else out
+    monkeypatch.setattr(triton_kernels, "paged_attention", wrong_at_8)
+    assert "differs from the torch reference" in probe.probe_failure(TritonBackend(2, 32, 1), 2, 1, 32, 16, CPU,
+                                                                     torch.float32, None, (None,))
+
+
 def test_decode_splits_fill_the_device_and_no_more():
     assert decode_splits(1, 8, 4096, 264) == 16                      # one long stream: every segment used
     assert decode_splits(1, 8, 1024, 264) == 4                       # capped by MIN_SPLIT_KEYS per segment

@@ -1,15 +1,13 @@
-"""KV copies made for transfers and tiers, kept off the step's CUDA stream.
+"""KV copies made for transfers and tiers, on a CUDA stream of their own.
 
-On CUDA, a copy between the paged KV tensor and host memory issued on the default stream waits
-behind the step's kernels and holds back the next step's. Connector code instead copies inside
-``off_step_stream(device)``: a stream of its own per thread, synchronised when the block exits
-(so the bytes are complete where the code goes on), with host buffers from ``host_buffer``
-pinned so the copy is DMA, not staged through pageable memory. On the CPU both are no-ops.
-
-Why no wait on the step's stream is needed (the invariant every caller keeps): the blocks a
-connector reads were written by a step that has ended (the engine syncs on each step's sampled
-ids before it offers or saves them, and holds them until the copy is done), and the blocks it
-writes belong to a request that no step has scheduled yet (it is waiting for this load).
+On CUDA, a copy between the paged KV tensor and host memory issued on the default stream holds
+back every kernel enqueued after it. Connector code instead copies inside
+``off_step_stream(device)``: a stream of its own per thread, which first waits for the work
+already enqueued on the default stream (so a block a step is still writing, or that a step just
+freed and the scheduler handed on, is never read or overwritten early), and is synchronised when
+the block exits (so the bytes are complete where the code goes on). Steps enqueued after the
+copy began do not wait for it. Host buffers from ``host_buffer`` are pinned, so a copy is DMA,
+not staged through pageable memory. On the CPU both are no-ops.
 """
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ def off_step_stream(device: torch.device):
     stream = getattr(_local, "stream", None)
     if stream is None or stream.device != device:
         stream = _local.stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.default_stream(device))  # what steps enqueued so far comes first
     with torch.cuda.stream(stream):
         yield
     stream.synchronize()

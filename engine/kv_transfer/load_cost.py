@@ -34,8 +34,9 @@ SEED_RATES = {"cpu": 1e9, "disk": 2e8, "redis": 5e7, "peer": 5e7}
 DEFAULT_SEED_RATE = 5e7
 RATE_DECAY = 0.7  # what the older samples keep of their weight at each new one
 PREFILL_WINDOW = 256  # steps the prefill fit is made over
-MIN_PREFILL_STEPS = 4  # steps, one of them a prefill, before the fit is used
+MIN_PREFILL_STEPS = 4  # prefill steps before the fit is used
 MIN_PREFILL_TOKENS = 16  # a step computing at least this many tokens counts as a prefill
+EXPLORE_EVERY = 16  # every 16th decision that could decline loads anyway, to re-measure its sources
 REFIT_EVERY = 8  # steps between refits (a 3x3 solve, microseconds: only to keep the step loop lean)
 
 
@@ -76,28 +77,27 @@ def attended_pairs(n: int, ctx: int) -> float:
 
 
 class PrefillCost:
-    """Fitted from (tokens, pairs, seconds) of recent steps, decode steps included (their
-    pairs pin down the attention term). Coefficients never go negative: a term the data makes
-    negative is dropped and the others refitted."""
+    """Fitted from (tokens, pairs, seconds) of recent prefill steps (at least MIN_PREFILL_TOKENS
+    computed): decode steps are left out, their attention is bound by memory, not arithmetic,
+    and a window of decodes alone would extrapolate a prefill from them. Coefficients never go
+    negative: a term the data makes negative is dropped and the others refitted."""
 
     def __init__(self, window: int = PREFILL_WINDOW) -> None:
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._prefills = 0  # prefill steps in the window, roughly (counted, never decremented past 0)
         self._since_fit = 0
         self.fit: PrefillFit | None = None
 
     def observe(self, tokens: int, pairs: float, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+        if tokens < MIN_PREFILL_TOKENS or seconds <= 0:
             return
         self._steps.append((float(tokens), float(pairs), seconds))
-        self._prefills += tokens >= MIN_PREFILL_TOKENS
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY or self.fit is None:
             self._refit()
 
     def _refit(self) -> None:
         self._since_fit = 0
-        if len(self._steps) < MIN_PREFILL_STEPS or not self._prefills:
+        if len(self._steps) < MIN_PREFILL_STEPS:
             return
         data = np.array(self._steps)
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
@@ -147,6 +147,7 @@ class LoadPlanner:
         self.prefill = PrefillCost()
         self.rates: dict[str, SourceRate] = {}
         self.decisions = Decisions()
+        self._declined = 0  # decisions that left something unloaded
         self._lock = threading.Lock()
 
     def rate(self, source: str) -> SourceRate:
@@ -171,6 +172,9 @@ class LoadPlanner:
         fit = self.prefill.fit
         if not options or self.always_load or fit is None:
             return len(options)
+        sources = {option.source for option in options}
+        if any(self.rate(source).samples == 0 for source in sources):
+            return len(options)  # a source never read from: load (which measures it)
         best, best_s = 0, fit.seconds(num_computed, num_tokens)
         loading_s = 0.0
         for k, option in enumerate(options, 1):
@@ -178,6 +182,10 @@ class LoadPlanner:
             total = loading_s + fit.seconds(option.end_token, num_tokens)
             if total <= best_s:
                 best, best_s = k, total
+        if best < len(options):
+            self._declined += 1
+            if self._declined % EXPLORE_EVERY == 0:
+                return len(options)  # now and then anyway: a link that got faster is seen again
         return best
 
     def count(self, num_computed: int, options: list[LoadOption], loaded: int) -> None:

@@ -270,6 +270,10 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         if self.planner is not None and lookup is not None and lookup.plan is not None \
                 and lookup.plan[0] == num_local_tokens:
             self.planner.count(*lookup.plan)
+            if lookup.plan[2] < len(lookup.plan[1]):
+                # Chunks found but recomputed instead are in the tiers already: saving them
+                # again would send each back over the link just judged too slow to read them.
+                self._saved[req_id] = max(end_chunk, lookup.first_chunk + lookup.found)
         # Admitted: its lookup is used up. A load takes over the lookup's pins (the worker
         # unpins them once it has read the chunks); otherwise the worker unpins them now.
         if num_external_tokens == 0:

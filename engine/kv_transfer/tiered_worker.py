@@ -32,7 +32,7 @@ import torch
 
 from engine import timeline
 from engine.kv_transfer.base import KVConnectorWorker, LoadBook, contiguous_runs, queued
-from engine.kv_transfer.device_copies import host_buffer, off_step_stream
+from engine.kv_transfer.device_copies import off_step_stream
 from engine.kv_transfer.stores.base import KVStore
 from engine.kv_transfer.tier_events import TierEvents
 from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
@@ -203,15 +203,13 @@ class TieredConnectorWorker(KVConnectorWorker):
             unpins.append(lease)
 
     def _copy_out(self, index: torch.Tensor) -> torch.Tensor:
-        """Blocks ``index`` of every layer, copied to host memory (pinned, off the step's stream)."""
+        """Blocks ``index`` of every layer, copied to host memory off the step's stream. Pageable,
+        not pinned: the CPU tier keeps the chunk, and a tier of pinned (unswappable, rounded up
+        by the caching host allocator) memory would hold more than its cap says."""
         if self.kv.device.type == "cpu":
             return self.kv.index_select(2, index)
-        shape = (self.kv.shape[0], self.kv.shape[1], len(index), *self.kv.shape[3:])
-        chunk = host_buffer(self.kv.element_size() * self.kv[:, :, :1].numel() * len(index), self.kv.device)
-        chunk = chunk.view(self.kv.dtype).view(shape)
         with off_step_stream(self.kv.device):
-            chunk.copy_(self.kv.index_select(2, index), non_blocking=True)
-        return chunk
+            return self.kv.index_select(2, index).cpu()
 
     def save_kv(self, metadata: TieredMetadata | None) -> None:
         if metadata is None:

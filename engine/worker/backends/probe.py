@@ -5,6 +5,8 @@ skips it (and logs why), a backend named explicitly is refused at start. Nothing
 (an extension built for another torch, a dtype without kernels) may surface per request."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 # Steps of (cached, new) tokens per request: a mixed one (a chunk over context that spans
@@ -15,6 +17,7 @@ import torch
 # the same compiled kernel serves the model's own width).
 PROBE_STEPS = (((70, 40), (45, 1), (0, 7)), ((90, 1), (3, 1), (33, 1)), ((600, 1),))
 PROBE_WINDOW = 8
+SPLIT_COUNTS = (2, 4, 8, 16)  # triton's split-K variants (triton_attn.MAX_SPLITS = 16)
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -57,7 +60,15 @@ def _probe_step(backend, requests, window, num_heads, num_kv_heads, head_dim, bl
     shape = f"{'decode' if all(n == 1 for _, n in requests) else 'mixed'} step, window {window}"
     try:
         want = reference.forward(q, k, v, cache.clone(), reference.build_metadata(step, window), scale, softcap)
-        got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(step, window), scale, softcap)
+        meta = backend.build_metadata(step, window)
+        got = backend.forward(q, k, v, cache.clone(), meta, scale, softcap)
+        if getattr(meta, "num_splits", 1) > 1:
+            # A split decode: every split count the backend may choose later is compiled and
+            # checked now, not on the first long decode of its kind while serving.
+            for splits in SPLIT_COUNTS:
+                split = backend.forward(q, k, v, cache.clone(), replace(meta, num_splits=splits), scale, softcap)
+                got = torch.where((split.float() - want.float()).abs() > (got.float() - want.float()).abs(),
+                                  split, got)  # the worst of them is what is compared below
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # an extension that does not load, a dtype without kernels, ...
