@@ -98,8 +98,10 @@ class Request:
         # Took a prefix hit on blocks a failed step never wrote while its KV load was in
         # flight: recomputed when the load lands.
         self.stale_prefix = False
-        # Seconds from arrival to the first schedule.
+        # Seconds from arrival (admission by the core) to the first schedule, and when that was
+        # (time.monotonic()); a preemption's reschedule changes neither (vLLM's scheduled_ts).
         self.queue_time: float | None = None
+        self.scheduled_at: float | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None
