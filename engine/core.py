@@ -52,8 +52,6 @@ class EngineCoreProc:
                           if config.kv_events_config is not None else None)
         if self.kv_events is not None:
             engine.enable_kv_events()  # collected per step, drained in step()
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
 
     def handle_add(self, msg: AddRequest) -> Ack:
         ack = self._admit(msg)
@@ -82,14 +80,12 @@ class EngineCoreProc:
             logger.exception("admitting request %s failed", msg.request_id)
             self.engine.discard_request(msg.request_id, msg.params.n)
             return Ack(msg.request_id, 500, f"the engine failed to admit the request: {type(exc).__name__}: {exc}")
-        self.prompt_tokens += len(msg.prompt_token_ids) * msg.params.n
         return Ack(msg.request_id)
 
     def step(self) -> list[EngineCoreOutput]:
         outputs = self.engine.step()
         if self.kv_events is not None:
             self.kv_events.publish(self.engine.drain_kv_events())
-        self.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
     def queue_state(self) -> tuple[int, int, int, int]:
@@ -116,8 +112,7 @@ class EngineCoreProc:
             num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks, kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
-            num_preemptions=scheduler.stats.num_preemptions,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+            num_preemptions=scheduler.stats.num_preemptions)
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, max_queue_len: int | None,
@@ -243,7 +238,7 @@ def _loop(core: EngineCoreProc, pull, push, encoder, decoder, parent_pid: int, t
         # never once per spin while only waiting on a transfer (that flood costs a core).
         state = core.queue_state()
         if outputs or state != last_state or now - last_stats > STATS_INTERVAL_S:
-            push.send(encoder.encode(Outputs(outputs, core.stats())))
+            push.send(encoder.encode(Outputs(outputs, core.stats(), now)))
             last_stats, last_state = now, state
             timeline.mark("core.sent", *(o.req_id for o in outputs))
         # Only now the step's KV offers and tier saves: a prefill's first token never waits on them.

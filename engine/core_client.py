@@ -25,7 +25,7 @@ from engine.ipc import (IPC_DIR_PREFIX, AbortRequests, Ack, AddRequest, EngineDe
                         FromCore, Outputs, ReleaseOffer, Shutdown, StopSequences, remove_ipc_dir,
                         remove_stale_ipc_dirs)
 from engine.kv_transfer.params import KVTransferParams
-from engine.output_processor import OutputKind, OutputProcessor
+from engine.output_processor import IterationStats, OutputKind, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request_trace import SequenceTrace
 from engine.sampling_params import SamplingParams
@@ -116,6 +116,8 @@ class AsyncEngineClient:
         self.on_dead = None  # callback(str), e.g. to stop the HTTP server
         self._closed = False
         self.on_stats = None  # callback(EngineStats) for every stats message
+        # callback(IterationStats) for what the front end measured of requests (output_processor)
+        self.on_request_stats = None
         self._ctx: zmq.asyncio.Context | None = None
         self._push = self._pull = None
         self._ipc_dir: str | None = None
@@ -195,7 +197,8 @@ class AsyncEngineClient:
     def _route(self, msg: Outputs) -> None:
         if not msg.outputs:
             return  # stats only (an idle core's)
-        processed = self.processor.process(msg.outputs)
+        processed = self.processor.process(msg.outputs, msg.timestamp or None)
+        self._report(processed.stats)
         if processed.stop:
             self._push.send(self._encoder.encode(StopSequences(processed.stop)))
         if processed.abort:
@@ -204,6 +207,13 @@ class AsyncEngineClient:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(RequestDelta.of(out))
+
+    def _report(self, stats: IterationStats) -> None:
+        if stats and self.on_request_stats is not None:
+            try:
+                self.on_request_stats(stats)
+            except Exception:  # metrics never cost a request its answer
+                logger.exception("recording request metrics failed")
 
     def _set_dead(self, error: str) -> None:
         logger.error("engine core is dead: %s", error)
@@ -221,10 +231,11 @@ class AsyncEngineClient:
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           kv_transfer_params: KVTransferParams | None = None,
                           first_tokens_shown: bool = False, cache_salt: str | None = None,
-                          traced: bool = False) -> "RequestStream":
+                          traced: bool = False, arrival: float | None = None) -> "RequestStream":
         """Queue a request and wait for the engine to accept it (raises EngineRequestError
         with the HTTP status when it refuses). The caller must close() the stream. ``traced``: the
-        deltas carry the core's record of its phases (RequestDelta.traces)."""
+        deltas carry the core's record of its phases (RequestDelta.traces). ``arrival``:
+        time.monotonic() when the request reached the server (its latencies start there)."""
         if self.dead is not None:
             raise EngineDeadError(f"engine error: {self.dead.splitlines()[0]}")
         if request_id in self._queues:
@@ -237,7 +248,7 @@ class AsyncEngineClient:
         # Registered before the core can answer: its first outputs may come with the ack.
         try:
             self.processor.add_request(request_id, None, prompt_token_ids, params, OutputKind.DELTA,
-                                       first_tokens_shown)
+                                       first_tokens_shown, arrival)
         except InvalidRequestError as exc:  # its id collides with a live request's sequence
             raise EngineRequestError(400, str(exc), exc.param) from None
         stream = RequestStream(self, request_id)
@@ -256,10 +267,10 @@ class AsyncEngineClient:
             raise EngineRequestError(answer.status, answer.message or "refused", answer.param)
         return stream
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, request_id: str, client_left: bool = False) -> None:
         self._queues.pop(request_id, None)
         self._acks.pop(request_id, None)
-        self.processor.abort(request_id)
+        self._report(self.processor.abort(request_id, client_left))
 
     def release_offer(self, params: KVTransferParams) -> None:
         """Frees a hand-off's KV that its router will not use (the core checks the signature
@@ -342,6 +353,7 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        self.client._release(self.request_id)
-        if not self.finished and self.client.dead is None:
+        client_left = not self.finished and self.client.dead is None
+        self.client._release(self.request_id, client_left)
+        if client_left:
             self.client.abort([self.request_id])

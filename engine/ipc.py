@@ -156,8 +156,6 @@ class EngineStats(msgspec.Struct):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
     kv_blocks_held: int = 0
     num_waiting_for_remote_kv: int = 0  # of num_waiting: parked until their KV arrives
     num_held: int = 0  # finished requests whose blocks a KV transfer still reads
@@ -177,6 +175,10 @@ class EngineStats(msgspec.Struct):
 class Outputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]  # token ids per sequence: the front end makes the text
     stats: EngineStats
+    # The core's time.monotonic() when the step made these outputs (vLLM's EngineCoreOutputs
+    # timestamp): the front end's inter-token, prefill and decode times are measured on it.
+    # (CLOCK_MONOTONIC is one clock for every process of the host.)
+    timestamp: float = 0.0
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

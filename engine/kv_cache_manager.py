@@ -61,7 +61,11 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def record_prefix_stats(self, request: Request, num_hit_tokens: int) -> None:
-        """Count one lookup per request (its first admission), not one per retry."""
+        """Count one lookup per request (its first admission), not one per retry; a request that
+        never looks up the cache (caching off, or it wants its prompt's logprobs) is no query,
+        as in vLLM's record_prefix_cache_stats."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit_tokens
 

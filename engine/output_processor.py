@@ -6,11 +6,18 @@ request gathered into one output, streamed deltas or whole texts. It runs where 
 A stop string found here ends its sequence at once: ``process`` lists the sequences the core
 must stop, and the text never shows what was sampled past the stop. One request's failure here
 (a tokenizer raising) ends that request with an error; the others go on.
+
+It also measures each sequence as vLLM's front end does (vllm/v1/metrics/stats.py: IterationStats,
+FinishedRequestStats): time to first token and end-to-end latency from the request's arrival at
+the API server, on this process's clock; inter-token gaps and the queue, prefill and decode phases
+on the core's timestamps; token counts of the sequences it still serves. entrypoints/metrics.py
+exports them (one measurement, both the engine's and vLLM's metric names).
 """
 from __future__ import annotations
 
 import enum
 import logging
+import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -58,6 +65,14 @@ class _Sequence:
     # Leading ids of the next delta's token_ids that a proxy already showed (a prefill's first
     # token): counted in the usage, not shown again.
     token_ids_shown: int = 0
+    # Timing (IterationStats): the core's timestamps of the first and the last token sampled
+    # here (a prefill instance's first token, which a decode instance only passes on, is none),
+    # and of the first schedule, with the seconds queued before it.
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_sampled: int = 0  # tokens sampled here
+    scheduled_at: float | None = None
+    queue_time: float | None = None
 
     @property
     def shown_finish_reason(self) -> str | None:
@@ -73,6 +88,7 @@ class _Request:
     kind: OutputKind
     sequences: dict[str, _Sequence]
     first_tokens_shown: bool
+    arrival: float = 0.0  # time.monotonic() when the API server received it
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
@@ -91,10 +107,41 @@ class _Request:
 
 
 @dataclass(slots=True)
+class FinishedStats:
+    """One sequence at its end, measured as vLLM's FinishedRequestStats is. Phases are None where
+    they never began (a sequence ended before it was scheduled, or before it sampled a token)."""
+    finish_reason: str  # stop, length, abort, error, or handed_off (a prefill instance's hand-off)
+    e2e: float  # arrival at the API server to its end, on the API server's clock
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time: float | None = None  # the core's admission to the first schedule (vLLM's WAITING)
+    prefill_time: float | None = None  # the first schedule to the first token sampled here
+    decode_time: float | None = None  # the first to the last token sampled here
+    inference_time: float | None = None  # the first schedule to the last token (vLLM's RUNNING)
+    # decode_time per token after the first sampled here (vLLM's mean_time_per_output_token)
+    time_per_output_token: float | None = None
+    client_abort: bool = False  # the client left before it ended: vLLM counts no such request
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What one batch of the core's outputs (or a client leaving) measured (vLLM's IterationStats)."""
+    ttfts: list[float] = field(default_factory=list)  # sequences that got their first token here
+    itls: list[float] = field(default_factory=list)  # one gap per output after a sequence's first
+    prompt_tokens: int = 0  # prompts of the sequences that got their first output (vLLM: at prefill)
+    generation_tokens: int = 0  # tokens of the sequences still served (none past a stop string)
+    finished: list[FinishedStats] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.ttfts or self.itls or self.prompt_tokens or self.generation_tokens or self.finished)
+
+
+@dataclass(slots=True)
 class Processed:
     outputs: list[RequestOutput]
     stop: list[str]      # sequences a stop string ended: the core stops them
     abort: list[str]     # sequences whose output could not be processed: the core aborts them
+    stats: IterationStats = field(default_factory=IterationStats)
 
 
 class OutputProcessor:
@@ -108,9 +155,11 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}  # _token_text
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    kind: OutputKind, first_tokens_shown: bool = False) -> None:
+                    kind: OutputKind, first_tokens_shown: bool = False, arrival: float | None = None) -> None:
         """``first_tokens_shown``: the client was already shown the first tokens a prefill
         instance sampled (as far as the stop strings allowed), so the deltas go on after them.
+        ``arrival``: time.monotonic() when the request arrived (default: now), where its time to
+        first token and end-to-end latency start.
         Raises InvalidRequestError when the id, or one of its sequence ids, is in use (a client's
         id "0_x" is sequence 0 of "x" with n > 1): nothing is registered then."""
         seq_ids = [sequence_id(request_id, index, params.n) for index in range(params.n)]
@@ -129,13 +178,21 @@ class OutputProcessor:
         for seq_id in sequences:
             self._request_of[seq_id] = request_id
         self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), kind, sequences,
-                                              first_tokens_shown)
+                                              first_tokens_shown, time.monotonic() if arrival is None else arrival)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, client_left: bool = False) -> IterationStats:
+        """Forget a request. ``client_left``: its client went away before it ended; the sequences
+        still open end as aborted by the client in the stats returned (empty otherwise)."""
+        stats = IterationStats()
         request = self._requests.pop(request_id, None)
         if request is not None:
             for seq_id in request.sequences:
                 self._request_of.pop(seq_id, None)
+            if client_left:
+                now = time.monotonic()
+                stats.finished = [self._finished_stats(request, seq, now, "abort", client_abort=True)
+                                  for seq in request.sequences.values() if seq.finish_reason is None]
+        return stats
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -150,9 +207,12 @@ class OutputProcessor:
     def num_tracked_requests(self) -> int:
         return len(self._requests) + len(self._request_of)
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> Processed:
+    def process(self, core_outputs: list[EngineCoreOutput], timestamp: float | None = None) -> Processed:
+        """``timestamp``: the core's time.monotonic() when it made these outputs (default: now)."""
         result = Processed([], [], [])
         touched: dict[str, _Request] = {}
+        now = time.monotonic()
+        timestamp = timestamp or now
         for out in core_outputs:
             request_id = self._request_of.get(out.req_id)
             request = self._requests.get(request_id) if request_id is not None else None
@@ -161,6 +221,7 @@ class OutputProcessor:
             seq = request.sequences[out.req_id]
             if seq.finish_reason is not None:
                 continue  # a stop string ended it; the core had sampled on
+            self._measure(request, seq, out, timestamp, now, result.stats)
             try:
                 if self._apply(request, seq, out):
                     result.stop.append(out.req_id)
@@ -168,6 +229,8 @@ class OutputProcessor:
                 logger.exception("request %s: processing its output failed; ending it", out.req_id)
                 seq.finish_reason, request.error = "error", f"output processing failed: {type(exc).__name__}: {exc}"
                 result.abort.append(out.req_id)
+            if seq.finish_reason is not None:
+                result.stats.finished.append(self._finished_stats(request, seq, now))
             touched[request.request_id] = request
         for request in touched.values():
             finished = request.finished
@@ -178,6 +241,43 @@ class OutputProcessor:
             if finished:
                 self.abort(request.request_id)
         return result
+
+    @staticmethod
+    def _measure(request: _Request, seq: _Sequence, out: EngineCoreOutput, timestamp: float, now: float,
+                 stats: IterationStats) -> None:
+        """vLLM's IterationStats.update_from_output for one live sequence's output."""
+        if seq.scheduled_at is None and out.scheduled_at is not None:
+            seq.scheduled_at, seq.queue_time = out.scheduled_at, out.queue_time
+        if not out.new_token_ids:
+            return
+        if not seq.token_ids:  # its first output: the prompt is done (computed, found, or pulled)
+            stats.prompt_tokens += len(request.prompt_token_ids)
+        stats.generation_tokens += len(out.new_token_ids)
+        if out.from_prefill:
+            return  # sampled by the prefill instance: its time is that instance's
+        if seq.first_token_at is None:
+            seq.first_token_at = timestamp
+            stats.ttfts.append(now - request.arrival)
+        else:
+            stats.itls.append(timestamp - seq.last_token_at)
+        seq.last_token_at = timestamp
+        seq.num_sampled += len(out.new_token_ids)
+
+    @staticmethod
+    def _finished_stats(request: _Request, seq: _Sequence, now: float, reason: str | None = None,
+                        client_abort: bool = False) -> FinishedStats:
+        """vLLM's IterationStats.update_from_finished_request for one sequence."""
+        first, last, scheduled = seq.first_token_at, seq.last_token_at, seq.scheduled_at
+        decode = None if first is None else last - first
+        return FinishedStats(
+            reason or seq.finish_reason, now - request.arrival, len(request.prompt_token_ids), len(seq.token_ids),
+            queue_time=seq.queue_time,
+            prefill_time=None if first is None or scheduled is None else first - scheduled,
+            decode_time=decode,
+            inference_time=None if last is None or scheduled is None else last - scheduled,
+            time_per_output_token=None if decode is None else decode / (seq.num_sampled - 1) if seq.num_sampled > 1
+            else 0.0,
+            client_abort=client_abort)
 
     def _apply(self, request: _Request, seq: _Sequence, out: EngineCoreOutput) -> bool:
         """Take one sequence's new tokens; returns whether a stop string ended it here."""

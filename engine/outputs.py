@@ -116,7 +116,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
-    queue_time: float | None = None
+    queue_time: float | None = None  # seconds from the core's admission to the first schedule
+    scheduled_at: float | None = None  # when that first schedule was (the core's time.monotonic())
     from_prefill: bool = False  # a first token a prefill instance sampled (engine/kv_transfer/first_token.py)
     # With the first sampled token, where asked: per prompt token (None for the first) its entries.
     prompt_logprobs: list[TokenLogprobs | None] | None = None

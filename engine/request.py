@@ -100,8 +100,10 @@ class Request:
         # Took a prefix hit on blocks a failed step never wrote while its KV load was in
         # flight: recomputed when the load lands.
         self.stale_prefix = False
-        # Seconds from arrival to the first schedule.
+        # Seconds from arrival (admission by the core) to the first schedule, and when that was
+        # (time.monotonic()); a preemption's reschedule changes neither (vLLM's scheduled_ts).
         self.queue_time: float | None = None
+        self.scheduled_at: float | None = None
         self.status = RequestStatus.WAITING
         # Only for a request the front end traces (engine/request_trace.py): the scheduler
         # records its phases here.

@@ -343,7 +343,8 @@ class Scheduler:
         logger.debug("request %s: RUNNING (%d of %d tokens computed)", request.request_id, num_computed,
                      request.num_tokens)
         if request.queue_time is None:
-            request.queue_time = time.monotonic() - request.arrival_time
+            request.scheduled_at = time.monotonic()
+            request.queue_time = request.scheduled_at - request.arrival_time
         return Admission.SCHEDULED, num_new
 
     def _chunk(self, request: Request, num_uncomputed: int, budget: int) -> int:
@@ -439,6 +440,7 @@ class Scheduler:
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
                 kv_transfer_params=kv_transfer_params, queue_time=request.queue_time,
+                scheduled_at=request.scheduled_at,
                 prompt_logprobs=request.take_prompt_logprobs(), trace=trace))
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]

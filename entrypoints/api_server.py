@@ -103,9 +103,11 @@ class OpenAIServer:
         # (a fast tokenizer must not be entered from two threads at once).
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._ll_tokenizer = None  # see _grammar_tokenizer (only ever touched on that one thread)
-        self.metrics = ServerMetrics(served_model_names[0], lambda: client.stats)
+        self.metrics = ServerMetrics(served_model_names[0], lambda: client.stats,
+                                     client.info.max_model_len if client.info is not None else None)
         self.metrics.registry.register(LoadDecisionCollector(lambda: client.stats, served_model_names[0]))
         client.on_stats = self.metrics.observe_stats
+        client.on_request_stats = self.metrics.observe_requests
 
     # ---- input -------------------------------------------------------------------------
     async def _parse(self, raw: Request, model_cls):
@@ -267,7 +269,7 @@ class OpenAIServer:
                                                    raw.headers.get(ENGINE_REQUEST_ID), prefix)
         except BodyError as exc:
             raise APIError(exc.status, exc.message, exc.param) from None
-        arrival = time.monotonic()
+        arrival = time.monotonic() if received is None else received  # vLLM's arrival_time: before tokenizing
         timeline.mark("api.received", engine_id, at=received)
         timeline.mark("api.tokenized", engine_id, at=tokenized)
         spans = self._request_spans(raw, request, engine_id, params, received or arrival)
@@ -281,7 +283,7 @@ class OpenAIServer:
                 shown = bool(request.stream) and raw.headers.get(FIRST_TOKENS_SHOWN) == "1"
                 streams.append(await self.client.add_request(sub_id, prompt_ids, params, kv_params[i],
                                                              first_tokens_shown=shown, cache_salt=request.cache_salt,
-                                                             traced=traced))
+                                                             traced=traced, arrival=arrival))
         except EngineRequestError as exc:
             for s in streams:
                 s.close()
@@ -296,8 +298,7 @@ class OpenAIServer:
         if request.stream:
             return StreamingResponse(response.stream(streams), media_type="text/event-stream",
                                      headers={"X-Request-Id": request_id})
-        return await _until_disconnect(raw, response.collect(streams), streams,
-                                       lambda: response._finish_metrics(aborted=True))
+        return await _until_disconnect(raw, response.collect(streams), streams)
 
     def _request_spans(self, raw: Request, request, engine_id: str, params: SamplingParams,
                        received: float) -> tracing.RequestSpans | None:
@@ -368,7 +369,7 @@ class OpenAIServer:
                                for name in self.model_names]).model_dump()
 
 
-async def _until_disconnect(raw: Request, work, streams: list[RequestStream], on_abort) -> Response:
+async def _until_disconnect(raw: Request, work, streams: list[RequestStream]) -> Response:
     """Run a non-streaming handler, but stop (and abort the engine requests) as soon as the
     client disconnects: nobody is left to read the answer."""
     async def wait_for_disconnect() -> None:
@@ -385,7 +386,6 @@ async def _until_disconnect(raw: Request, work, streams: list[RequestStream], on
             return task.result()
         task.cancel()
         logger.info("client disconnected; aborting %s", [s.request_id for s in streams])
-        on_abort()
         return Response(status_code=499)
     finally:
         watcher.cancel()
@@ -394,14 +394,15 @@ async def _until_disconnect(raw: Request, work, streams: list[RequestStream], on
 
 
 class _Response:
-    """Turns engine deltas into OpenAI JSON, streamed or whole, and records metrics."""
+    """Turns engine deltas into OpenAI JSON, streamed or whole. (Its latencies and token counts
+    are measured in the front end's output processor: entrypoints/metrics.py.)"""
 
     def __init__(self, server: OpenAIServer, request_id: str, request, prompts: list[list[int]], n: int, chat: bool,
                  arrival: float, continues: bool = False, spans: tracing.RequestSpans | None = None) -> None:
         """``continues``: a stream that goes on after first tokens a proxy showed (which also
         showed the prompt's token ids, where asked)."""
         self.server, self.request_id, self.request = server, request_id, request
-        self.prompts, self.n, self.chat, self.arrival = prompts, n, chat, arrival
+        self.prompts, self.n, self.chat = prompts, n, chat
         self.token_ids, self.continues = request.return_token_ids, continues
         self.prompt_ids_to_show = set(range(len(prompts) * n)) if self.token_ids else set()
         self.created = int(time.time())
@@ -409,11 +410,7 @@ class _Response:
         self.object = "chat.completion" if chat else "text_completion"
         self.completion_tokens = 0
         self.cached_tokens: dict[int, int] = {}
-        self.finish_reasons: list[str] = []
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.itls: list[float] = []
-        self.queue_time = 0.0
+        self.first_output_marked = False
         self.kv_transfer_params: dict[int, KVTransferParams] = {}  # by prompt index
         # echo (completions): a choice's text (and logprobs) start with its prompt's; with
         # max_tokens 0 they are only that (the one token sampled is dropped).
@@ -424,44 +421,52 @@ class _Response:
         self.started: set[int] = set()  # choices whose first chunk went out (streaming)
         self.completion_tokens_shown = False  # a chunk with a token went out (streaming)
         self._echoed_prompts: dict[int, tuple[str, dict, int]] = {}  # _echoed, per prompt
-        self.spans = spans  # the request's spans, when traced (entrypoints/tracing.py)
+        # The request's spans, when traced (entrypoints/tracing.py), and what they report at the end.
+        self.spans = spans
+        self.arrival, self.first_token_at, self.queue_time = arrival, None, 0.0
+        self.finish_reasons: list[str] = []
 
     def _record(self, prompt_index: int, delta) -> None:
-        now = time.monotonic()
-        if any(c.token_ids for c in delta.choices):
-            if self.first_token_at is None:
-                self.first_token_at = now
-                timeline.mark("api.first_output", delta.request_id, at=now)
-            elif self.last_token_at is not None:
-                self.itls.append(now - self.last_token_at)
-            self.last_token_at = now
+        if not self.first_output_marked and any(c.token_ids for c in delta.choices):
+            self.first_output_marked = True
+            timeline.mark("api.first_output", delta.request_id)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs.setdefault(prompt_index, delta.prompt_logprobs)
         if not self.echo_only:
             self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
         self.cached_tokens[prompt_index] = delta.num_cached_tokens
-        if delta.queue_time is not None:
-            self.queue_time = max(self.queue_time, delta.queue_time)
         if delta.kv_transfer_params is not None:
             self.kv_transfer_params[prompt_index] = delta.kv_transfer_params
-        self.finish_reasons += [c.finish_reason for c in delta.choices if c.finish_reason is not None]
         if self.spans is not None:
-            self.spans.record(prompt_index, delta.traces)
+            self._trace_delta(prompt_index, delta)
 
-    def _finish_metrics(self, aborted: bool = False) -> None:
+    def _trace_delta(self, prompt_index: int, delta) -> None:
+        """What the request's span reports at its end (the metrics are measured elsewhere)."""
+        if self.first_token_at is None and any(c.token_ids for c in delta.choices):
+            self.first_token_at = time.monotonic()
+        if delta.queue_time is not None:
+            self.queue_time = max(self.queue_time, delta.queue_time)
+        self.finish_reasons += [c.finish_reason for c in delta.choices if c.finish_reason is not None]
+        self.spans.record(prompt_index, delta.traces)
+
+    def _end_spans(self, aborted: bool = False, error: APIError | None = None) -> None:
+        """Ends the request's span (once; when traced): at its end, its client's leaving, or an error."""
+        spans, self.spans = self.spans, None
+        if spans is None:
+            return
         if aborted:
             self.finish_reasons += ["abort"] * (len(self.prompts) * self.n - len(self.finish_reasons))
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
-        self.server.metrics.observe_request(self.finish_reasons, ttft, self.itls, time.monotonic() - self.arrival,
-                                            self.queue_time)
-        if self.spans is not None:
-            self.spans.end({
-                "gen_ai.usage.prompt_tokens": sum(len(p) for p in self.prompts),
-                "gen_ai.usage.completion_tokens": self.completion_tokens,
-                "gen_ai.usage.num_sequences": len(self.prompts) * self.n,
-                "gen_ai.latency.time_to_first_token": ttft, "gen_ai.latency.time_in_queue": self.queue_time,
-                "gen_ai.latency.e2e": time.monotonic() - self.arrival,
-                "gen_ai.response.finish_reasons": list(self.finish_reasons)}, self.kv_transfer_params)
+        attributes = {
+            "gen_ai.usage.prompt_tokens": sum(len(p) for p in self.prompts),
+            "gen_ai.usage.completion_tokens": self.completion_tokens,
+            "gen_ai.usage.num_sequences": len(self.prompts) * self.n,
+            "gen_ai.latency.time_to_first_token": ttft, "gen_ai.latency.time_in_queue": self.queue_time,
+            "gen_ai.latency.e2e": time.monotonic() - self.arrival,
+            "gen_ai.response.finish_reasons": list(self.finish_reasons)}
+        if error is not None:
+            attributes.update({"http.response.status_code": error.status, "error.type": error.message[:200]})
+        spans.end(attributes, self.kv_transfer_params)
 
     def usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)
@@ -567,7 +572,9 @@ class _Response:
             async for i, delta in self._merged(streams):
                 self._record(i, delta)
                 if delta.error is not None and delta.finished and all(c.finish_reason == "error" for c in delta.choices):
-                    raise APIError(error_status(delta.error), delta.error)
+                    error = APIError(error_status(delta.error), delta.error)
+                    self._end_spans(error=error)
+                    raise error
                 for c in delta.choices:
                     index = i * self.n + c.index
                     texts[index] = texts.get(index, "") + c.text
@@ -577,8 +584,13 @@ class _Response:
                     if c.finish_reason is not None:
                         finish[index] = (c.finish_reason, c.stop_reason)
         except EngineRequestError as exc:
-            raise APIError(exc.status, str(exc), exc.param)
-        self._finish_metrics()
+            error = APIError(exc.status, str(exc), exc.param)
+            self._end_spans(error=error)
+            raise error from None
+        except asyncio.CancelledError:  # the client left (_until_disconnect)
+            self._end_spans(aborted=True)
+            raise
+        self._end_spans()
         choices = []
         for index in sorted(texts.keys() | finish.keys()):
             reason, stop_reason = finish.get(index, (None, None))
@@ -617,7 +629,6 @@ class _Response:
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
-        completed = False
 
         def chunk(choices: list[dict], **extra) -> str:
             return sse({"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -630,7 +641,9 @@ class _Response:
             async for i, delta in self._merged(streams):
                 self._record(i, delta)
                 if delta.error is not None and all(c.finish_reason == "error" for c in delta.choices):
-                    yield sse(APIError(error_status(delta.error), delta.error).body())
+                    error = APIError(error_status(delta.error), delta.error)
+                    self._end_spans(error=error)
+                    yield sse(error.body())
                     break
                 out = []
                 for c in delta.choices:
@@ -647,16 +660,15 @@ class _Response:
             else:
                 if include_usage:
                     yield chunk([], usage=self.usage())
-            completed = True
-            self._finish_metrics()
+            self._end_spans()
         except EngineRequestError as exc:
-            completed = True
-            yield sse(APIError(exc.status, str(exc), exc.param).body())
+            error = APIError(exc.status, str(exc), exc.param)
+            self._end_spans(error=error)
+            yield sse(error.body())
         finally:
             for s in streams:  # a client that went away cancels us here: abort in the engine
                 s.close()
-            if not completed:
-                self._finish_metrics(aborted=True)
+            self._end_spans(aborted=True)  # (nothing when it ended above)
         yield sse("[DONE]")
 
     def _stream_choice(self, index: int, c: ChoiceDelta) -> dict:

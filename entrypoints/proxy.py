@@ -8,7 +8,8 @@ prompt in its prefix cache and either serves it (its uncached part is short) or 
 fewer than ``max_prefill_queue`` of this proxy's requests in flight, the request takes the remote
 path below; a busy or unreachable prefill tier means the decode instance prefills it anyway
 (asked again, without the limit). Each decision is counted by path and reason (``/metrics``:
-``engine:disagg_decisions_total``; ``/status``). ``max_local_prefill_tokens`` 0 sends every
+``engine:disagg_decisions_total``; ``/status``), and ``/metrics`` shows the load the proxy sees on
+each instance (``engine:proxy_upstream_*``). ``max_local_prefill_tokens`` 0 sends every
 request through a prefill instance.
 
 The remote path:
@@ -43,7 +44,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine import timeline
 from entrypoints import tracing
@@ -83,6 +84,7 @@ class Upstream:
     held: int = 0
     handed: int = 0
     polls: int = 0  # how many times ``held`` was read
+    sent: int = 0  # requests this proxy sent there (a retry elsewhere counts there too)
     down_until: float = 0.0  # time.monotonic() until which it counts as unreachable (DOWN_S)
 
     def unreachable(self) -> None:
@@ -332,6 +334,7 @@ class Proxy:
         dropped = 0  # instances that dropped the connection mid-request: resent once at most
         for upstream in self.ordered(self.prefills, "prefill"):
             upstream.in_flight += 1
+            upstream.sent += 1
             timeline.mark("proxy.prefill_sent", headers[ENGINE_REQUEST_ID])
             try:
                 resp = await self.http.post(f"{upstream.url}{path}", json=p_body, headers=headers)
@@ -491,6 +494,7 @@ class Proxy:
         ``close()``; else what went wrong, counted back: an error, _Unreachable when the
         connection was refused, None when it declined to prefill the prompt."""
         upstream.in_flight += 1
+        upstream.sent += 1
         try:
             resp = await self.http.send(self.http.build_request(
                 "POST", f"{upstream.url}{path}", json=body, headers=headers), stream=True)
@@ -515,6 +519,7 @@ class Proxy:
 
     async def _decode(self, upstream: Upstream, path: str, body: dict, headers: dict) -> Response | None:
         upstream.in_flight += 1
+        upstream.sent += 1
         try:
             resp = await self.http.post(f"{upstream.url}{path}", json=body, headers=headers)
         except httpx.HTTPError as exc:
@@ -753,17 +758,54 @@ async def _until_disconnect(raw: Request, work):
         watcher.cancel()
 
 
-class _DecisionCollector:
+class _ProxyCollector:
+    """The proxy's routing: its decisions, and per instance the load it ranks them by."""
+
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
 
     def collect(self):
+        proxy = self.proxy
         family = CounterMetricFamily("engine:disagg_decisions", "Requests by prefill path (remote: through a prefill "
                                      "instance; local: prefilled by the decode instance) and the reason.",
                                      labels=["path", "reason"])
-        for (path, reason), count in sorted(self.proxy.decisions.items()):
+        for (path, reason), count in sorted(proxy.decisions.items()):
             family.add_metric([path, reason], count)
         yield family
+        # role: prefill or decode; instance for plain replicas (engine proxy --instance)
+        upstreams = [("prefill", u) for u in proxy.prefills] + [
+            ("decode" if proxy.prefills else "instance", u) for u in proxy.decodes]
+        labels = ["role", "url"]
+        sent = CounterMetricFamily("engine:proxy_upstream_requests", "Requests this proxy sent to an instance "
+                                   "(a retry on another instance counts there too).", labels=labels)
+        in_flight = GaugeMetricFamily("engine:proxy_upstream_in_flight", "This proxy's requests open on an "
+                                      "instance.", labels=labels)
+        load = GaugeMetricFamily("engine:proxy_upstream_load", "The load the proxy ranks an instance by: its requests "
+                                 "in flight, plus on a prefill instance the hand-offs it holds.", labels=labels)
+        down = GaugeMetricFamily("engine:proxy_upstream_down", f"1 while an instance that could not be connected to "
+                                 f"is tried last ({DOWN_S:.0f} s after the failure).", labels=labels)
+        for role, u in upstreams:
+            sent.add_metric([role, u.url], u.sent)
+            in_flight.add_metric([role, u.url], u.in_flight)
+            load.add_metric([role, u.url], u.load)
+            down.add_metric([role, u.url], 1 if u.down else 0)
+        held = GaugeMetricFamily("engine:proxy_prefill_held", "Hand-offs a prefill instance holds for a decode "
+                                 "instance (its /status at the last poll, plus this proxy's since).", labels=["url"])
+        for u in proxy.prefills:
+            held.add_metric([u.url], u.held + u.handed)
+        yield from (sent, in_flight, load, down, held)
+        if proxy.router is not None:  # kv-aware: what it routed where, and the prefix it expected there
+            routed = CounterMetricFamily("engine:proxy_kv_routed", "Requests kv-aware routing sent to an instance.",
+                                         labels=["url"])
+            tokens = CounterMetricFamily("engine:proxy_kv_routed_prompt_tokens", "Prompt tokens of those requests.",
+                                         labels=["url"])
+            hits = CounterMetricFamily("engine:proxy_kv_predicted_hit_tokens", "Of those, the tokens its KV events "
+                                       "said the instance held.", labels=["url"])
+            for row in proxy.router.status():
+                routed.add_metric([row["url"]], row["routed"])
+                tokens.add_metric([row["url"]], row["prompt_tokens"])
+                hits.add_metric([row["url"]], row["predicted_hits"])
+            yield from (routed, tokens, hits)
 
 
 def build_proxy_app(proxy: Proxy) -> FastAPI:
@@ -825,7 +867,7 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
                 "kv_routing": proxy.router.status() if proxy.router is not None else None}
 
     registry = CollectorRegistry()
-    registry.register(_DecisionCollector(proxy))
+    registry.register(_ProxyCollector(proxy))
 
     @app.get("/metrics")
     async def metrics():
