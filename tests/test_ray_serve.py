@@ -29,6 +29,7 @@ from ray import serve  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from entrypoints.ray_serve.app import RayServeOptions, build_app  # noqa: E402
 from tests.ray_cluster import cluster  # noqa: E402,F401 - the module's cluster
+from tests.otlp_receiver import OTLPReceiver  # noqa: E402
 from tests.server_utils import free_port  # noqa: E402
 
 ENGINE_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny"]
@@ -36,14 +37,22 @@ SECRET = "ray-serve-test-secret-" + os.urandom(16).hex()
 
 
 @pytest.fixture(scope="module")
-def url(cluster, tiny_llama):
+def receiver():
+    rx = OTLPReceiver()
+    yield rx
+    rx.close()
+
+
+@pytest.fixture(scope="module")
+def url(cluster, tiny_llama, receiver):
     port = free_port()
     # The HTTP entry on the head node only: every node's Serve proxy binds the same address on
     # this one machine, and a client connected through the lost node's proxy would lose its
     # connection with that node (as it would on real machines: put a load balancer in front).
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     options = RayServeOptions(str(tiny_llama), engine_args=ENGINE_ARGS, max_local_prefill_tokens=64,
-                              ingress_actor_options={"num_cpus": 0, "resources": {"head": 0.01}})  # it stays
+                              ingress_actor_options={"num_cpus": 0, "resources": {"head": 0.01}},  # it stays
+                              otlp_traces_endpoint=receiver.url)
     serve.run(build_app(options, secret=SECRET), name="engine", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.delete("engine")
@@ -92,6 +101,24 @@ def test_answers_through_serve_equal_a_colocated_instance(url, colocated):
     assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == want, resp.text
     assert _streamed(f"{url}/v1/chat/completions", {**body, "messages": messages}) == want
     assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"
+
+
+def test_one_trace_through_the_ingress_and_both_replicas(url, receiver):
+    """--otlp-traces-endpoint on engine ray-serve: the ingress continues the client's traceparent
+    and passes its span to the prefill and decode replicas, whose request spans are its children."""
+    trace_id, parent = "3" * 32, "4" * 16
+    resp = httpx.post(f"{url}/v1/completions", timeout=120, headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+                      json={"model": "tiny", "prompt": list(range(200, 400)), "max_tokens": 4, "temperature": 0,
+                            "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    spans = receiver.wait_for(lambda all_: {("engine-prefill", "llm_request"), ("engine-decode", "llm_request")}
+                              <= {(s.service, s.name) for s in all_ if s.trace_id == trace_id})
+    mine = [s for s in spans if s.trace_id == trace_id]
+    ingress = next(s for s in mine if s.service == "engine-ingress" and s.name == "proxy_request")
+    assert ingress.parent_id == parent
+    for service in ("engine-prefill", "engine-decode"):
+        request = next(s for s in mine if s.service == service and s.name == "llm_request")
+        assert request.parent_id == ingress.span_id
 
 
 def test_replicas_get_the_secret_through_ray_and_no_log_holds_it(url, cluster):
