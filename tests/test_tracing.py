@@ -171,6 +171,21 @@ def test_serve_continues_the_client_traceparent(server, receiver):
     assert spans["prefill"].attributes["engine.prefill.tokens_computed"] == 100
 
 
+def test_a_request_the_engine_refuses_still_has_its_span(server, receiver):
+    """A request the engine core refuses after the span began (here: D-style conditional
+    admission, 409, its prompt longer than the caller's max_local_prefill_tokens) ends its span
+    with the status and the reason: the traces operators need most are the failing ones."""
+    trace_id = "5" * 32
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      headers={"traceparent": f"00-{trace_id}-{'6' * 16}-01"},
+                      json={"prompt": _prompt(7, 100), "max_tokens": 2,
+                            "kv_transfer_params": {"max_local_prefill_tokens": 8}})
+    assert resp.status_code == 409, resp.text
+    root = _spans_of(receiver, trace_id, {"llm_request"})["llm_request"]
+    assert root.attributes["http.response.status_code"] == 409
+    assert "error.type" in root.attributes
+
+
 def test_a_tier_hit_has_a_load_span_naming_its_tier(server, receiver):
     """A prefix computed once, pushed out of the 64-block device pool by two other prompts, comes
     back from the CPU tier: the request's kv_load span has a kv_tier_load child for tier cpu."""
