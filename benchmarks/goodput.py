@@ -267,11 +267,12 @@ def plot(record: dict, path: str) -> None:
     workloads = list(record["rates"])
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.8), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
-        for name in record["layouts"]:
+        for (name, style) in zip(record["layouts"], (("o", "-"), ("s", "--"), ("^", ":"))):
             pts = sorted((p["rate"], slo_summary(p, p["ttft_ms"], p["tpot_ms"])["attainment"])
                          for p in record["points"] if p["workload"] == workload and p["layout"] == name)
             if pts:
-                ax.plot([r for r, _ in pts], [100 * a for _, a in pts], marker="o", label=LABELS[name])
+                ax.plot([r for r, _ in pts], [100 * a for _, a in pts], marker=style[0], linestyle=style[1],
+                        markersize=7 - 1.5 * record["layouts"].index(name), label=LABELS[name])
         objective = record["long_ttft_ms"] if workload == "long" else record["ttft_ms"]
         ax.set_title(f"{workload} (TTFT <= {objective / 1000:g} s)")
         ax.set_xlabel("request rate (req/s)")
