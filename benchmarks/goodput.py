@@ -232,6 +232,19 @@ def measure(args) -> dict:
     return record
 
 
+def merge(records: list[dict]) -> dict:
+    """One record from several runs: every point, each workload's rates together."""
+    record = dict(records[0], points=list(records[0]["points"]), rates=dict(records[0]["rates"]))
+    for other in records[1:]:
+        record["points"] += other["points"]
+        for workload, rates in other["rates"].items():
+            record["rates"][workload] = sorted(set(record["rates"].get(workload, [])) | set(rates))
+        record["command"] += "\n    " + other["command"]
+        record["minutes"] = f"{record.get('minutes', '?')} + {other.get('minutes', '?')}"
+    record["points"].sort(key=lambda p: (list(record["rates"]).index(p["workload"]), p["rate"]))
+    return record
+
+
 def cpu_model() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -307,8 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV),
                         help="the venv with vLLM's CPU build (benchmarks/peer_venv.sh; default %(default)s)")
     parser.add_argument("--results", default=None, metavar="PATH.json", help="write every point's result here")
-    parser.add_argument("--from-results", default=None, metavar="PATH.json",
-                        help="report (and plot) a saved --results file instead of measuring")
+    parser.add_argument("--from-results", nargs="+", default=None, metavar="PATH.json",
+                        help="report (and plot) saved --results files instead of measuring (several: one record, "
+                             "the points of all, each point still an interleaved comparison of its own run)")
     parser.add_argument("--plot", default=None, metavar="PATH.png")
     return parser
 
@@ -316,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.from_results:
-        record = json.loads(Path(args.from_results).read_text())
+        record = merge([json.loads(Path(path).read_text()) for path in args.from_results])
     else:
         if not (Path(args.vllm_venv) / "bin" / "python").exists():
             raise SystemExit(f"no vLLM venv at {args.vllm_venv}: run benchmarks/peer_venv.sh or pass --vllm-venv")

@@ -65,3 +65,16 @@ def test_help():
     assert out.returncode == 0, out.stderr
     for flag in ("--ttft-ms", "--tpot-ms", "--vllm-venv", "--chat-rates", "--long-rates", "--from-results"):
         assert flag in out.stdout
+
+
+def test_merging_saved_runs():
+    def run(rates, layout):
+        points = [dict(FIXTURE["crafted"], workload="512-128", rate=r, layout=layout, ttft_ms=1000, tpot_ms=100)
+                  for r in rates]
+        return {"command": f"run {rates}", "minutes": 1, "rates": {"512-128": rates}, "points": points}
+
+    merged = goodput.merge([run([0.5, 1], "serve"), run([0.1, 0.25], "p-to-d")])
+    assert merged["rates"] == {"512-128": [0.1, 0.25, 0.5, 1]}
+    assert [(p["rate"], p["layout"]) for p in merged["points"]] == [
+        (0.1, "p-to-d"), (0.25, "p-to-d"), (0.5, "serve"), (1, "serve")]
+    assert "run [0.5, 1]" in merged["command"] and "run [0.1, 0.25]" in merged["command"]
