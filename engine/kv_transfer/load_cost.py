@@ -34,7 +34,7 @@ SEED_RATES = {"cpu": 1e9, "disk": 2e8, "redis": 5e7, "peer": 5e7}
 DEFAULT_SEED_RATE = 5e7
 RATE_DECAY = 0.7  # what the older samples keep of their weight at each new one
 PREFILL_WINDOW = 256  # steps the prefill fit is made over
-MIN_PREFILL_STEPS = 4  # prefill steps before the fit is used
+FULL_FIT_STEPS = 3  # prefill steps before all three terms are fitted (fewer: a cost per token alone)
 MIN_PREFILL_TOKENS = 16  # a step computing at least this many tokens counts as a prefill
 EXPLORE_EVERY = 16  # every 16th decision that could decline loads anyway, to re-measure its sources
 REFIT_EVERY = 8  # steps between refits (a 3x3 solve, microseconds: only to keep the step loop lean)
@@ -97,9 +97,12 @@ class PrefillCost:
 
     def _refit(self) -> None:
         self._since_fit = 0
-        if len(self._steps) < MIN_PREFILL_STEPS:
+        if not self._steps:
             return
         data = np.array(self._steps)
+        if len(data) < FULL_FIT_STEPS:  # too few points for three terms: all of the cost per token
+            self.fit = PrefillFit(0.0, float(data[:, 2].sum() / data[:, 0].sum()), 0.0)
+            return
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         y = data[:, 2]
         keep = [0, 1, 2]
