@@ -385,7 +385,9 @@ class TieredConnectorWorker(KVConnectorWorker):
             with off_step_stream(self.kv.device):
                 for s, d, n in contiguous_runs(src, chunk.block_ids):
                     self.kv[:, :, d:d + n].copy_(kv[:, :, s:s + n])
-            if first_try:  # (a wait for a promised write says nothing about the tier's rate)
+            # (A wait for a promised write says nothing about the tier's rate, nor does a read
+            # the request stopped waiting for: its time is not what a load costs a request.)
+            if first_try and not self.loads.is_cancelled(load.req_id):
                 self._sample(tier, kv.numel() * kv.element_size(), time.perf_counter() - start)
         return None
 
