@@ -183,9 +183,11 @@ class EngineConfig:
     kv_store: str | None = None
     kv_chunk_tokens: int = 256  # tokens per stored chunk, a multiple of block_size
     kv_store_ttl_s: int = 24 * 3600  # Redis entries expire after this long without a write
-    # Load every tier hit, even where this instance's measured rates say recomputing it is faster
-    # (the load-or-recompute decision off: engine/kv_transfer/load_cost.py).
-    kv_always_load: bool = False
+    # Load every tier hit (the default), even where this instance's measured rates say recomputing
+    # it is faster; False: the load-or-recompute decision (engine/kv_transfer/load_cost.py). Off by
+    # default: with a small model or a fast device, recompute beats even a local read, and whether
+    # a hit is used would then depend on timings.
+    kv_always_load: bool = True
     # The deployment secret (engine/kv_transfer/secret.py): a file holding it, or the secret
     # itself; neither given: $ENGINE_KV_SECRET, else none (KV plane open to this host only).
     kv_secret_file: str | None = None

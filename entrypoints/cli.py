@@ -67,10 +67,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens per stored KV chunk, a multiple of --block-size (default 256)")
     parser.add_argument("--kv-store-ttl-s", type=int, default=24 * 3600,
                         help="expiry of Redis KV entries in seconds (default 86400)")
-    parser.add_argument("--kv-always-load", action="store_true",
-                        help="load every KV store hit, even where this instance's measured tier rates and "
-                             "prefill rate say recomputing it is faster (default: load only what wins; "
-                             "docs/kv-tiers.md)")
+    parser.add_argument("--kv-always-load", action=argparse.BooleanOptionalAction, default=True,
+                        help="load every KV store hit (the default); --no-kv-always-load loads a hit only as far "
+                             "as this instance's measured tier rates and prefill rate say loading beats "
+                             "recomputing it (docs/kv-tiers.md)")
     parser.add_argument("--kv-secret-file", default=None, metavar="PATH",
                         help="the deployment secret shared by its prefill, decode and store users (a file of "
                              "mode 0600; create one with `engine secret PATH`; or set ENGINE_KV_SECRET): "
@@ -337,7 +337,7 @@ def format_status(url: str, status: dict) -> str:
         d = decision["decisions"]
         rates = "  ".join(f"{name} {r['bytes_per_s'] / 1e6:.0f} MB/s{'' if r['measured'] else ' (seed)'}"
                           for name, r in decision["sources"].items())
-        lines.append(f"  load/compute {'on' if decision['enabled'] else 'off (--kv-always-load)'}  load {d['load']}  "
+        lines.append(f"  load/compute {'on' if decision['enabled'] else 'off (--no-kv-always-load turns it on)'}  load {d['load']}  "
                      f"partial {d['partial']}  recompute {d['recompute']}  tokens loaded "
                      f"{decision['tokens_loaded']} recomputed {decision['tokens_recomputed']}  {rates}")
     return "\n".join(lines)

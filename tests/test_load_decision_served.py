@@ -50,7 +50,8 @@ def _evict(url: str, seeds=(101, 102, 103)) -> list[float]:
 
 
 def test_a_fast_disk_tier_is_loaded(smollm2_dir, tmp_path):
-    server = ServerProcess(str(smollm2_dir), *ARGS, "--kv-store", f"disk:{tmp_path / 'kv'}:1GiB")
+    server = ServerProcess(str(smollm2_dir), *ARGS, "--kv-store", f"disk:{tmp_path / 'kv'}:1GiB",
+                           "--no-kv-always-load")
     try:
         prompt = _prompt(1)
         first, _ = _complete(server.url, prompt)
@@ -95,7 +96,7 @@ def test_a_redis_host_behind_a_slow_link_is_not_loaded_from(smollm2_dir, always_
                        capture_output=True)
         server = ServerProcess(str(smollm2_dir), *REDIS_ARGS, "--kv-store", f"redis://{redis_host.address}:6379/0",
                                "--kv-secret-file", str(secret),
-                               *(("--kv-always-load",) if always_load else ()), host=engine_host)
+                               "--kv-always-load" if always_load else "--no-kv-always-load", host=engine_host)
         prompt = _prompt(2)
         first, first_s = _complete(server.url, prompt)
         # The link is measured by the engine's own writes of the prompt's chunks.
