@@ -71,6 +71,15 @@ class _EngineStatsCollector:
         self.get_stats = get_stats
         self.model_name = model_name
 
+    def _counters_by(self, counters, label: str, stats_by: dict):
+        """One counter family per (name, doc, field) of ``counters``, a sample per key of
+        ``stats_by`` (labelled ``label``) with that stats object's ``field``."""
+        for name, doc, field in counters:
+            family = CounterMetricFamily(name, doc, labels=["model_name", label])
+            for key, stats in sorted(stats_by.items()):
+                family.add_metric([self.model_name, key], getattr(stats, field))
+            yield family
+
     def collect(self):
         s: EngineStats = self.get_stats()
         label = [self.model_name]
@@ -134,22 +143,14 @@ class _EngineStatsCollector:
             ("engine:kv_pull_bytes", "KV bytes pulled from a prefill instance (completed pulls).", "bytes"),
             ("engine:kv_pull_seconds", "Seconds spent pulling KV from a prefill instance.", "seconds"),
         ]
-        for name, doc, field in pull_counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name", "peer"])
-            for peer, p in sorted(s.kv_pulls.items()):
-                c.add_metric([self.model_name, peer], getattr(p, field))
-            yield c
+        yield from self._counters_by(pull_counters, "peer", s.kv_pulls)
         tier_counters = [
             ("engine:kv_store_hits", "KV chunks loaded from a store tier.", "hits"),
             ("engine:kv_store_misses", "KV chunks looked up in a store tier and not found.", "misses"),
             ("engine:kv_store_stored_bytes", "KV bytes written to a store tier.", "bytes_stored"),
             ("engine:kv_store_loaded_bytes", "KV bytes loaded from a store tier.", "bytes_loaded"),
         ]
-        for name, doc, field in tier_counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
-            for tier, t in sorted(s.kv_store.items()):
-                c.add_metric([self.model_name, tier], getattr(t, field))
-            yield c
+        yield from self._counters_by(tier_counters, "tier", s.kv_store)
         rejected = CounterMetricFamily("engine:kv_store_rejected", "KV store entries refused on read and deleted "
                                        "(bad_tag: forged or altered; corrupt; wrong_format).",
                                        labels=["model_name", "tier", "reason"])

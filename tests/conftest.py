@@ -247,3 +247,12 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path)
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    """A real OTLP/HTTP trace receiver (tests/otlp_receiver.py) for one module's servers."""
+    from tests.otlp_receiver import OTLPReceiver
+    rx = OTLPReceiver()
+    yield rx
+    rx.close()

@@ -140,21 +140,15 @@ def test_a_source_never_read_from_is_loaded_and_a_declined_one_retried_now_and_t
     assert choices[EXPLORE_EVERY - 1] == 4
 
 
-def test_chunks_recomputed_instead_of_loaded_are_not_saved_again(tmp_path):
-    """A decision to recompute chunks a tier holds must not send them back to it (over the link
-    just judged too slow to read them): the step that computes them saves nothing already there."""
-    from engine.kv_transfer.stores.disk import DiskStore
+def _connector(planner, stores):
+    """The tiered connector's two halves over ``stores`` (4-token blocks, 16-token chunks) and
+    ``step(output=None)``: one scheduler step's metadata through the worker and back."""
     from engine.kv_transfer.tiered import TieredConnectorScheduler
     from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
     from engine.outputs import CachedRequestData, SchedulerOutput
-    from tests.scheduler_utils import make_request
-    from tests.test_kv_store import FMT, _chunk
-
-    disk = DiskStore(str(tmp_path / "kv"), 2**24, FMT)
-    planner = _planner(per_token=1e-3)
-    planner.observe_transfer("disk", FMT.nbytes, 10.0)
+    from tests.test_kv_store import FMT
     sched = TieredConnectorScheduler(block_size=4, chunk_tokens=16, planner=planner, chunk_bytes=FMT.nbytes)
-    worker = TieredConnectorWorker(TieredStore([disk]))
+    worker = TieredConnectorWorker(TieredStore(stores))
     worker.register_kv_caches(torch.zeros(2, 2, 64, 4, 2, 8))
 
     def step(output=None):
@@ -162,6 +156,21 @@ def test_chunks_recomputed_instead_of_loaded_are_not_saved_again(tmp_path):
         worker.start_load_kv(meta)
         sched.update_connector_output(worker.get_finished())
         return meta
+    return sched, worker, step
+
+
+def test_chunks_recomputed_instead_of_loaded_are_not_saved_again(tmp_path):
+    """A decision to recompute chunks a tier holds must not send them back to it (over the link
+    just judged too slow to read them): the step that computes them saves nothing already there."""
+    from engine.kv_transfer.stores.disk import DiskStore
+    from engine.outputs import CachedRequestData, SchedulerOutput
+    from tests.scheduler_utils import make_request
+    from tests.test_kv_store import FMT, _chunk
+
+    disk = DiskStore(str(tmp_path / "kv"), 2**24, FMT)
+    planner = _planner(per_token=1e-3)
+    planner.observe_transfer("disk", FMT.nbytes, 10.0)
+    sched, worker, step = _connector(planner, [disk])
 
     try:
         a = make_request("a", 65)
@@ -248,23 +257,12 @@ def test_the_connector_loads_the_cpu_part_and_recomputes_the_disk_part(tmp_path)
     asks for the first two chunks only; the worker loads exactly those."""
     from engine.kv_transfer.stores.cpu import CPUStore
     from engine.kv_transfer.stores.disk import DiskStore
-    from engine.kv_transfer.tiered import TieredConnectorScheduler
-    from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
-    from engine.outputs import CachedRequestData, SchedulerOutput
     from tests.scheduler_utils import make_request
     from tests.test_kv_store import FMT, _chunk
 
     cpu, disk = CPUStore(2**24, FMT), DiskStore(str(tmp_path / "kv"), 2**24, FMT)
     planner = _planner(per_token=1e-3)  # 16 tokens (a chunk) compute in 16 ms
-    sched = TieredConnectorScheduler(block_size=4, chunk_tokens=16, planner=planner, chunk_bytes=FMT.nbytes)
-    worker = TieredConnectorWorker(TieredStore([cpu, disk]))
-    worker.register_kv_caches(torch.zeros(2, 2, 64, 4, 2, 8))
-
-    def step():
-        meta = sched.build_connector_meta(SchedulerOutput([], CachedRequestData(), {}, 0, set()))
-        worker.start_load_kv(meta)
-        sched.update_connector_output(worker.get_finished())
-        return meta
+    sched, worker, step = _connector(planner, [cpu, disk])
 
     try:
         a = make_request("a", 65)

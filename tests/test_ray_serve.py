@@ -29,18 +29,10 @@ from ray import serve  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from entrypoints.ray_serve.app import RayServeOptions, build_app  # noqa: E402
 from tests.ray_cluster import cluster  # noqa: E402,F401 - the module's cluster
-from tests.otlp_receiver import OTLPReceiver  # noqa: E402
 from tests.server_utils import free_port  # noqa: E402
 
 ENGINE_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--served-model-name", "tiny"]
 SECRET = "ray-serve-test-secret-" + os.urandom(16).hex()
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    rx = OTLPReceiver()
-    yield rx
-    rx.close()
 
 
 @pytest.fixture(scope="module")

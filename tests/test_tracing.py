@@ -130,13 +130,6 @@ def test_the_flag_is_refused_without_the_packages(command, tiny_llama):
 
 # ---- end to end, through a real OTLP/HTTP receiver -------------------------------------------
 @pytest.fixture(scope="module")
-def receiver():
-    rx = OTLPReceiver()
-    yield rx
-    rx.close()
-
-
-@pytest.fixture(scope="module")
 def server(tiny_llama, receiver):
     server = ServerProcess(str(tiny_llama), "--num-blocks", "64", "--max-model-len", "1024", "--kv-chunk-tokens",
                            "32", "--kv-store", "cpu:64MiB", "--served-model-name", "tiny",
