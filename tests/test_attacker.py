@@ -168,6 +168,9 @@ def test_a_stranger_with_write_access_to_the_shared_redis(tiny_llama, colocated,
             assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == colocated(stranger_prompt)
             assert time.monotonic() - started < 5, "the replayed promise made the decode wait for its chunks"
             decode.wait_idle()
+            # D stores the stranger's prompt too, off its step thread: its 3 chunks are not the
+            # next victim's (a late one would be taken for P's and the victim's left genuine).
+            seen |= _eventually(lambda: set(r.keys("*")) - seen, lambda new: len(new) >= 3)
             rejected = _eventually(lambda: decode.status()["kv_store"]["redis"]["rejected"],
                                    lambda r: r.get("bad_tag", 0) > before)
             assert set(rejected) == {"bad_tag"}, rejected
