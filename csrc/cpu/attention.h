@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -200,6 +201,32 @@ ALWAYS_INLINE void scores_by_broadcast(const float* const* q, const float* kt, V
     UNROLL for (int c = 0; c < KT; ++c) out[r][c] = acc[r][c];
 }
 
+#if defined(__AVX512F__)
+// scores_by_broadcast for bf16 queries and keys, two dims per VDPBF16PS: keys staged transposed
+// in pairs of dims (kt[(c * HD / 2 + d) * W + j] = key c * W + j, dims 2d and 2d + 1, as one
+// 32-bit word), each row's query as the same pairs. A bf16 product is exact in float, so only
+// the order of the sums differs from the float way (by pairs of dims, in order of d); a row's
+// sums are still its own. Called only where cpu_has_avx512_bf16().
+template <int NV, int RB>
+ENGINE_TARGET_BF16 __attribute__((noinline)) void scores_by_bf16_pairs(const uint32_t* const* q, const uint32_t* kt,
+                                                                       Vec (*out)[KT]) {
+  constexpr int HP = NV * W / 2;
+  __m512 acc[RB][KT];
+  UNROLL for (int r = 0; r < RB; ++r)
+    UNROLL for (int c = 0; c < KT; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int d = 0; d < HP; ++d) {
+    __m512bh k[KT];
+    UNROLL for (int c = 0; c < KT; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kt + (c * HP + d) * W);
+    UNROLL for (int r = 0; r < RB; ++r) {
+      const __m512bh qd = (__m512bh)_mm512_set1_epi32(int(q[r][d]));
+      UNROLL for (int c = 0; c < KT; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qd, k[c]);
+    }
+  }
+  UNROLL for (int r = 0; r < RB; ++r)
+    UNROLL for (int c = 0; c < KT; ++c) out[r][c] = acc[r][c];
+}
+#endif
+
 // o_r = o_r * alpha_r + sum over keys j in [j0, j1), in order, of p_r[j] * v_j, for RB rows at
 // once (keys a row does not see have p = 0 and finite v, so they add an exact zero).
 template <int NV, int RB>
@@ -225,6 +252,48 @@ ALWAYS_INLINE void accumulate_values(float* const* o, const float* const* p, con
   }
 }
 
+#if defined(__AVX512F__)
+// accumulate_values for bf16 values, two keys per VDPBF16PS: values staged in pairs of keys
+// (vp[(j / 2) * HD + d] = value j, dim d in the low half, value j + 1 in the high half), the
+// probabilities rounded to bf16 (as PyTorch's CPU flash attention rounds them for its bf16 GEMM;
+// the row's sum l adds the rounded ones, so they still sum to one), p[r] their pairs.
+template <int NV, int RB>
+ENGINE_TARGET_BF16 __attribute__((noinline)) void accumulate_value_pairs(float* const* o, const uint32_t* const* p,
+                                                                         const float* alpha, const uint32_t* vp,
+                                                                         int jp0, int jp1) {
+  constexpr int HD = NV * W;
+  constexpr int VB = NV % 4 == 0 ? 4 : (NV % 2 == 0 ? 2 : 1);
+  for (int vb = 0; vb < NV; vb += VB) {
+    __m512 acc[RB][VB];
+    UNROLL for (int r = 0; r < RB; ++r)
+      UNROLL for (int u = 0; u < VB; ++u)
+        acc[r][u] = _mm512_mul_ps(_mm512_loadu_ps(o[r] + (vb + u) * W), _mm512_set1_ps(alpha[r]));
+    for (int jp = jp0; jp < jp1; ++jp) {
+      __m512bh val[VB];
+      UNROLL for (int u = 0; u < VB; ++u) val[u] = (__m512bh)_mm512_loadu_si512(vp + jp * HD + (vb + u) * W);
+      UNROLL for (int r = 0; r < RB; ++r) {
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32(int(p[r][jp]));
+        UNROLL for (int u = 0; u < VB; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], pj, val[u]);
+      }
+    }
+    UNROLL for (int r = 0; r < RB; ++r)
+      UNROLL for (int u = 0; u < VB; ++u) _mm512_storeu_ps(o[r] + (vb + u) * W, acc[r][u]);
+  }
+}
+
+// vp's pair of keys (a, b), either null for a key outside the partition (zeros).
+inline void stage_value_pair(const bf16_t* a, const bf16_t* b, uint32_t* dst, int nv) {
+  for (int v = 0; v < nv; ++v) {
+    const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + v * W)))
+                         : _mm512_setzero_si512();
+    const __m512i hi = b ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + v * W))), 16)
+                         : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst + v * W, _mm512_or_si512(lo, hi));
+  }
+}
+#endif
+
 // f(integral_constant<rb>) for a block of 1 to 4 rows.
 template <typename F>
 inline void with_rows(int rb, F&& f) {
@@ -248,7 +317,8 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   const int tile_keys = decode ? W : TK, chunks = decode ? 1 : KT;
   // scratch: q rows, run o, partition o, staged K (as rows, and transposed) and V, a zero row,
   // per-row scalars and probabilities
-  scratch.resize(size_t(rows) * HD * 3 + size_t(TK) * HD * 3 + HD + size_t(rows) * (6 + TK));
+  // and the q rows as bf16 pairs (bf16_pairs below)
+  scratch.resize(size_t(rows) * HD * 3 + size_t(TK) * HD * 3 + HD + size_t(rows) * (6 + TK + HD / 2 + TK / 2));
   float* qf = scratch.data();
   float* run_o = qf + size_t(rows) * HD;
   float* part_o = run_o + size_t(rows) * HD;
@@ -263,7 +333,18 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   int* row_lo = reinterpret_cast<int*>(part_l + rows);
   int* row_hi = row_lo + rows;
   float* probs = reinterpret_cast<float*>(row_hi + rows);  // [rows][TK]
+  uint32_t* q_pairs = reinterpret_cast<uint32_t*>(probs + size_t(rows) * TK);  // [rows][HD / 2]
+  uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(kt);  // [KT][HD / 2][W]: kt's room, half used
+  bf16_t* probs_bf16 = reinterpret_cast<bf16_t*>(q_pairs + size_t(rows) * HD / 2);  // [rows][TK]
+  uint32_t* v_pairs = reinterpret_cast<uint32_t*>(vc);  // [TK / 2][HD]: vc's room, half used
   std::fill(zero, zero + HD, 0.0f);
+  // bf16 prefill rows on a CPU with VDPBF16PS: scores two dims per instruction, from the bf16
+  // bits as they are (no float staging or transpose of K).
+#if defined(__AVX512F__)
+  const bool bf16_pairs = std::is_same_v<T, bf16_t> && !decode && cpu_has_avx512_bf16();
+#else
+  constexpr bool bf16_pairs = false;
+#endif
 
   const int r = it.req;
   auto head_of = [&](int i) { return (it.kv_begin + i / g % heads) * g + i % g; };
@@ -272,6 +353,7 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   for (int i = 0; i < rows; ++i) {
     const T* src = q + (a_.query_start[r] + token_of(i)) * a_.q_tok_stride + head_of(i) * a_.q_head_stride;
     for (int v = 0; v < NV; ++v) Vec::load(src + v * W).store(qf + size_t(i) * HD + v * W);
+    if (bf16_pairs) std::memcpy(q_pairs + size_t(i) * HD / 2, src, HD * sizeof(T));
     row_lo[i] = key_lo(r, token_of(i));
     row_hi[i] = key_hi(r, token_of(i));
     run_m[i] = neg_inf();
@@ -340,18 +422,39 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
             krow[j] = kcache + at;
             vrow[j] = vcache + at;
           } else {
-            for (int v = 0; v < NV; ++v) {
-              Vec::load(kcache + at + v * W).store(kc + j * HD + v * W);
-              Vec::load(vcache + at + v * W).store(vc + j * HD + v * W);
-            }
+            if (!bf16_pairs)
+              for (int v = 0; v < NV; ++v) {
+                Vec::load(kcache + at + v * W).store(kc + j * HD + v * W);
+                Vec::load(vcache + at + v * W).store(vc + j * HD + v * W);
+              }
             krow[j] = kc + j * HD;
             vrow[j] = vc + j * HD;
           }
         }
-        if (!decode)
+        if (bf16_pairs) {
+          for (int j = 0; j < tile_keys; ++j) {
+            const int c = j / W, lanej = j % W;
+            if (key_at[j] < 0) {
+              for (int d = 0; d < HD / 2; ++d) kt_pairs[(c * HD / 2 + d) * W + lanej] = 0;
+              continue;
+            }
+            uint32_t key[HD / 2];
+            std::memcpy(key, kcache + key_at[j] + int64_t(hh) * a_.kv_head_stride, HD * sizeof(T));
+            for (int d = 0; d < HD / 2; ++d) kt_pairs[(c * HD / 2 + d) * W + lanej] = key[d];
+          }
+#if defined(__AVX512F__)
+          if constexpr (std::is_same_v<T, bf16_t>) {
+            auto value = [&](int j) {
+              return key_at[j] < 0 ? nullptr : vcache + key_at[j] + int64_t(hh) * a_.kv_head_stride;
+            };
+            for (int j = 0; j < tile_keys; j += 2) stage_value_pair(value(j), value(j + 1), v_pairs + j / 2 * HD, NV);
+          }
+#endif
+        } else if (!decode) {
           for (int c = 0; c < KT; ++c)
             for (int j = 0; j < W; ++j)
               for (int d = 0; d < HD; ++d) kt[(c * HD + d) * W + j] = krow[c * W + j][d];
+        }
 
         // This head's rows in blocks of RB (a row that sees nothing of the chunk is skipped:
         // it would add nothing), each: scores, its mask, the online-softmax update, then the values.
@@ -366,6 +469,12 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
           for (int b = 0; b < na; ++b) qrows[b] = qf + size_t(active[b]) * HD;
           if (decode) {
             for (int b = 0; b < na; ++b) s[b][0] = scores_by_dot<NV>(qrows[b], krow);
+#if defined(__AVX512F__)
+          } else if (bf16_pairs) {
+            const uint32_t* qp[RB];
+            for (int b = 0; b < na; ++b) qp[b] = q_pairs + size_t(active[b]) * HD / 2;
+            with_rows(na, [&](auto rb) { scores_by_bf16_pairs<NV, decltype(rb)::value>(qp, kt_pairs, s); });
+#endif
           } else {
             with_rows(na, [&](auto rb) { scores_by_broadcast<NV, decltype(rb)::value>(qrows, kt, s); });
           }
@@ -387,9 +496,14 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
             alpha[b] = m_new == part_m[i] ? 1.0f : exp_scalar(part_m[i] - m_new);
             Vec sum = Vec::zero();
             for (int c = 0; c < chunks; ++c) {
-              const Vec e = vexp(x[c] - Vec::set1(m_new));
+              Vec e = vexp(x[c] - Vec::set1(m_new));
+              if (bf16_pairs) {
+                e = e.round_bf16();
+                e.store(probs_bf16 + size_t(i) * TK + c * W);
+              } else {
+                e.store(probs + size_t(i) * TK + c * W);
+              }
               sum = sum + e;
-              e.store(probs + size_t(i) * TK + c * W);
             }
             part_l[i] = part_l[i] * alpha[b] + reduce_add(sum);
             part_m[i] = m_new;
@@ -398,6 +512,18 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
             j0 = std::min(j0, std::max(klo - c0, 0));
             j1 = std::max(j1, std::min(khi - c0, tile_keys));
           }
+#if defined(__AVX512F__)
+          if (bf16_pairs) {
+            const uint32_t* ppairs[RB];
+            for (int b = 0; b < na; ++b)
+              ppairs[b] = reinterpret_cast<const uint32_t*>(probs_bf16 + size_t(active[b]) * TK);
+            with_rows(na, [&](auto rb) {
+              accumulate_value_pairs<NV, decltype(rb)::value>(o, ppairs, alpha, v_pairs, j0 / 2, (j1 + 1) / 2);
+            });
+            na = 0;
+            return;
+          }
+#endif
           with_rows(na, [&](auto rb) { accumulate_values<NV, decltype(rb)::value>(o, pp, alpha, vrow, j0, j1); });
           na = 0;
         };

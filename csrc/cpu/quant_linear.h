@@ -139,18 +139,10 @@ void quant_dot_rows(float* out, int64_t out_stride, int64_t base, const float* x
 }
 
 #if defined(__AVX512F__)
-#define ENGINE_TARGET_BF16 __attribute__((target("avx512bf16")))
-
 inline uint16_t bf16_bits(float v) {  // the top half of an exactly representable float
   uint32_t bits;
   std::memcpy(&bits, &v, 4);
   return uint16_t(bits >> 16);
-}
-
-// Whether this CPU has VDPBF16PS (the avx512 build runs on AVX-512 CPUs with and without it).
-inline bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
 }
 
 // The bf16 way (see the top of this file), for Q4_0 and Q4_1, two blocks at a time: one

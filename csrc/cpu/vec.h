@@ -28,6 +28,14 @@ struct fp16_t { uint16_t x; };
 
 #if defined(__AVX512F__)
 
+// VDPBF16PS (two bf16 products per float lane) in a function of the avx512 build, which runs on
+// AVX-512 CPUs with and without it: such a function is called only where this says yes.
+#define ENGINE_TARGET_BF16 __attribute__((target("avx512bf16")))
+inline bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
 struct Vec {
   static constexpr int W = 16;
   __m512 v;
