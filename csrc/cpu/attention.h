@@ -281,6 +281,103 @@ ENGINE_TARGET_BF16 __attribute__((noinline)) void accumulate_value_pairs(float* 
   }
 }
 
+// e^x for x <= 0 (-inf included: 0) to ~2e-6 relative, enough for a value rounded to bf16 next
+// (its half ulp is 2e-3): x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-5 Taylor polynomial,
+// times 2^n by VSCALEFPS (which flushes what is below float's range to 0).
+ENGINE_TARGET_BF16 inline __m512 exp_to_round_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 120);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's online-softmax update over a tile of TK keys, for the bf16 pairs: its scores s
+// (scaled and soft-capped here), seeing keys [klo, khi) of the tile (relative to its first);
+// the probabilities are written rounded to bf16 (VCVTNE2PS2BF16, nearest even) and summed as
+// rounded (VDPBF16PS by ones); m and l are updated, and the rescale of the row's output returned.
+ENGINE_TARGET_BF16 __attribute__((noinline)) float softmax_tile_bf16(const Vec* s, float scale, float softcap, int klo,
+                                                                     int khi, float& m, float& l, bf16_t* probs) {
+  __m512 x[KT];
+  __m512 top = _mm512_set1_ps(neg_inf());
+  const bool edge = klo > 0 || khi < TK;  // masks only where the row's range ends inside the tile
+  for (int c = 0; c < KT; ++c) {
+    Vec y = s[c] * Vec::set1(scale);
+    if (softcap > 0.0f) y = vtanh(y * Vec::set1(1.0f / softcap)) * Vec::set1(softcap);
+    x[c] = y.v;
+    if (edge) {
+      const int lo = std::clamp(klo - c * W, 0, W), hi = std::clamp(khi - c * W, 0, W);
+      const __mmask16 seen = __mmask16(((1u << hi) - 1) & ~((1u << lo) - 1));
+      x[c] = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf()), seen, x[c]);
+    }
+    top = _mm512_max_ps(top, x[c]);
+  }
+  const float m_new = std::max(m, _mm512_reduce_max_ps(top));
+  const float alpha = m_new == m ? 1.0f : exp_scalar(m - m_new);  // (exp(0) is exactly 1)
+  const __m512 mv = _mm512_set1_ps(m_new);
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+  __m512 sum = _mm512_setzero_ps();
+  for (int c = 0; c < KT; c += 2) {
+    const __m512bh e = _mm512_cvtne2ps_pbh(exp_to_round_bf16(_mm512_sub_ps(x[c + 1], mv)),
+                                           exp_to_round_bf16(_mm512_sub_ps(x[c], mv)));
+    _mm512_storeu_si512(probs + c * W, (__m512i)e);
+    sum = _mm512_dpbf16_ps(sum, e, ones);
+  }
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  m = m_new;
+  return alpha;
+}
+
+// The 16 x 16 32-bit words in r, transposed in place (three rounds of unpacks and lane shuffles).
+inline void transpose_16x16(__m512i* r) {
+  __m512i t[16];
+  UNROLL for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4g + k]: rows 4g..4g+3 of columns k, k + 4, k + 8, k + 12, one per 128-bit lane
+  __m512i u[16];
+  UNROLL for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  UNROLL for (int k = 0; k < 4; ++k) {
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), b = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512i c = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd), d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+    r[k] = _mm512_shuffle_i32x4(a, b, 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(a, b, 0xdd);
+    r[k + 4] = _mm512_shuffle_i32x4(c, d, 0x88);
+    r[k + 12] = _mm512_shuffle_i32x4(c, d, 0xdd);
+  }
+}
+
+// Chunk c of a tile's keys (key(j): key j's bf16 row, null outside the partition: zeros) into
+// dst in pairs of dims, transposed: dst[d * W + j] = key c * W + j, dims 2d and 2d + 1.
+template <int NV, typename Key>
+inline void stage_key_pairs(Key&& key, int c, uint32_t* dst) {
+  constexpr int HP = NV * W / 2;  // pairs per key
+  for (int p0 = 0; p0 < HP; p0 += W) {
+    const int n = std::min(W, HP - p0);
+    const __mmask16 live = __mmask16((1u << n) - 1);
+    __m512i rows[W];
+    UNROLL for (int j = 0; j < W; ++j) {
+      const bf16_t* k = key(c * W + j);
+      rows[j] = k ? _mm512_maskz_loadu_epi32(live, k + 2 * p0) : _mm512_setzero_si512();
+    }
+    transpose_16x16(rows);
+    for (int d = 0; d < n; ++d) _mm512_storeu_si512(dst + (p0 + d) * W, rows[d]);
+  }
+}
+
 // vp's pair of keys (a, b), either null for a key outside the partition (zeros).
 inline void stage_value_pair(const bf16_t* a, const bf16_t* b, uint32_t* dst, int nv) {
   for (int v = 0; v < nv; ++v) {
@@ -311,13 +408,21 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   constexpr int RB = 4;
   const int g = group_, heads = it.kv_end - it.kv_begin, per_token = heads * g;
   const int rows = (it.tok_end - it.tok_begin) * per_token;
-  const bool decode = q_len(it.req) == 1;
-  // Keys per step of the loop below: a tile of KT chunks for prefill rows, one chunk for decodes
-  // (their scores are dot products of keys read in place: see scores_by_dot).
-  const int tile_keys = decode ? W : TK, chunks = decode ? 1 : KT;
+  // bf16 K/V on a CPU with VDPBF16PS: every row (decodes too, so a token computes the same bits
+  // as a decode as inside a prefill chunk) takes tiles of TK keys, two products per instruction
+  // from the bf16 bits as they are (the bf16 pairs: scores_by_bf16_pairs, softmax_tile_bf16,
+  // accumulate_value_pairs).
+#if defined(__AVX512F__)
+  const bool bf16_pairs = std::is_same_v<T, bf16_t> && cpu_has_avx512_bf16();
+#else
+  constexpr bool bf16_pairs = false;
+#endif
+  // Otherwise decode rows' scores are dot products of keys read in place (scores_by_dot), one
+  // chunk of W keys per step of the loop below; prefill rows take tiles of KT chunks.
+  const bool by_dot = q_len(it.req) == 1 && !bf16_pairs;
+  const int tile_keys = by_dot ? W : TK, chunks = by_dot ? 1 : KT;
   // scratch: q rows, run o, partition o, staged K (as rows, and transposed) and V, a zero row,
-  // per-row scalars and probabilities
-  // and the q rows as bf16 pairs (bf16_pairs below)
+  // per-row scalars and probabilities, and for the bf16 pairs the q rows and probabilities as bf16
   scratch.resize(size_t(rows) * HD * 3 + size_t(TK) * HD * 3 + HD + size_t(rows) * (6 + TK + HD / 2 + TK / 2));
   float* qf = scratch.data();
   float* run_o = qf + size_t(rows) * HD;
@@ -338,13 +443,6 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   bf16_t* probs_bf16 = reinterpret_cast<bf16_t*>(q_pairs + size_t(rows) * HD / 2);  // [rows][TK]
   uint32_t* v_pairs = reinterpret_cast<uint32_t*>(vc);  // [TK / 2][HD]: vc's room, half used
   std::fill(zero, zero + HD, 0.0f);
-  // bf16 prefill rows on a CPU with VDPBF16PS: scores two dims per instruction, from the bf16
-  // bits as they are (no float staging or transpose of K).
-#if defined(__AVX512F__)
-  const bool bf16_pairs = std::is_same_v<T, bf16_t> && !decode && cpu_has_avx512_bf16();
-#else
-  constexpr bool bf16_pairs = false;
-#endif
 
   const int r = it.req;
   auto head_of = [&](int i) { return (it.kv_begin + i / g % heads) * g + i % g; };
@@ -412,7 +510,7 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
       for (int hh = 0; hh < heads; ++hh) {
         // Stage this kv head's keys and values of the tile as float rows; keys outside
         // [pk0, pk1) read zeros.
-        for (int j = 0; j < tile_keys; ++j) {
+        for (int j = 0; j < tile_keys && !bf16_pairs; ++j) {
           if (key_at[j] < 0) {
             krow[j] = vrow[j] = zero;
             continue;
@@ -422,35 +520,28 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
             krow[j] = kcache + at;
             vrow[j] = vcache + at;
           } else {
-            if (!bf16_pairs)
-              for (int v = 0; v < NV; ++v) {
-                Vec::load(kcache + at + v * W).store(kc + j * HD + v * W);
-                Vec::load(vcache + at + v * W).store(vc + j * HD + v * W);
-              }
+            for (int v = 0; v < NV; ++v) {
+              Vec::load(kcache + at + v * W).store(kc + j * HD + v * W);
+              Vec::load(vcache + at + v * W).store(vc + j * HD + v * W);
+            }
             krow[j] = kc + j * HD;
             vrow[j] = vc + j * HD;
           }
         }
         if (bf16_pairs) {
-          for (int j = 0; j < tile_keys; ++j) {
-            const int c = j / W, lanej = j % W;
-            if (key_at[j] < 0) {
-              for (int d = 0; d < HD / 2; ++d) kt_pairs[(c * HD / 2 + d) * W + lanej] = 0;
-              continue;
-            }
-            uint32_t key[HD / 2];
-            std::memcpy(key, kcache + key_at[j] + int64_t(hh) * a_.kv_head_stride, HD * sizeof(T));
-            for (int d = 0; d < HD / 2; ++d) kt_pairs[(c * HD / 2 + d) * W + lanej] = key[d];
-          }
 #if defined(__AVX512F__)
           if constexpr (std::is_same_v<T, bf16_t>) {
+            auto key = [&](int j) {
+              return key_at[j] < 0 ? nullptr : kcache + key_at[j] + int64_t(hh) * a_.kv_head_stride;
+            };
+            for (int c = 0; c < KT; ++c) stage_key_pairs<NV>(key, c, kt_pairs + c * HD / 2 * W);
             auto value = [&](int j) {
               return key_at[j] < 0 ? nullptr : vcache + key_at[j] + int64_t(hh) * a_.kv_head_stride;
             };
             for (int j = 0; j < tile_keys; j += 2) stage_value_pair(value(j), value(j + 1), v_pairs + j / 2 * HD, NV);
           }
 #endif
-        } else if (!decode) {
+        } else if (!by_dot) {
           for (int c = 0; c < KT; ++c)
             for (int j = 0; j < W; ++j)
               for (int d = 0; d < HD; ++d) kt[(c * HD + d) * W + j] = krow[c * W + j][d];
@@ -467,7 +558,7 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
           int j0 = tile_keys, j1 = 0;
           const float* qrows[RB];
           for (int b = 0; b < na; ++b) qrows[b] = qf + size_t(active[b]) * HD;
-          if (decode) {
+          if (by_dot) {
             for (int b = 0; b < na; ++b) s[b][0] = scores_by_dot<NV>(qrows[b], krow);
 #if defined(__AVX512F__)
           } else if (bf16_pairs) {
@@ -481,6 +572,16 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
           for (int b = 0; b < na; ++b) {
             const int i = active[b];
             const int klo = std::max(row_lo[i], pk0), khi = std::min(row_hi[i], pk1);
+            o[b] = part_o + size_t(i) * HD;
+            j0 = std::min(j0, std::max(klo - c0, 0));
+            j1 = std::max(j1, std::min(khi - c0, tile_keys));
+#if defined(__AVX512F__)
+            if (bf16_pairs) {
+              alpha[b] = softmax_tile_bf16(s[b], a_.scale, a_.softcap, klo - c0, khi - c0, part_m[i], part_l[i],
+                                           probs_bf16 + size_t(i) * TK);
+              continue;
+            }
+#endif
             Vec x[KT];
             Vec top = minus_inf;
             for (int c = 0; c < chunks; ++c) {
@@ -496,21 +597,13 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
             alpha[b] = m_new == part_m[i] ? 1.0f : exp_scalar(part_m[i] - m_new);
             Vec sum = Vec::zero();
             for (int c = 0; c < chunks; ++c) {
-              Vec e = vexp(x[c] - Vec::set1(m_new));
-              if (bf16_pairs) {
-                e = e.round_bf16();
-                e.store(probs_bf16 + size_t(i) * TK + c * W);
-              } else {
-                e.store(probs + size_t(i) * TK + c * W);
-              }
+              const Vec e = vexp(x[c] - Vec::set1(m_new));
               sum = sum + e;
+              e.store(probs + size_t(i) * TK + c * W);
             }
             part_l[i] = part_l[i] * alpha[b] + reduce_add(sum);
             part_m[i] = m_new;
             pp[b] = probs + size_t(i) * TK;
-            o[b] = part_o + size_t(i) * HD;
-            j0 = std::min(j0, std::max(klo - c0, 0));
-            j1 = std::max(j1, std::min(khi - c0, tile_keys));
           }
 #if defined(__AVX512F__)
           if (bf16_pairs) {
