@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.worker import native
 from tests.conftest import assert_engine_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -80,7 +81,7 @@ def test_max_num_seqs_one(tiny_llama, prompts, solo_outputs):
 
 
 # The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF), preempted: in fp32 its output is
-# identical; in bf16 (dtype="auto" where the CPU has native bf16) only up to the preemption.
+# identical, and in bf16 on a CPU with AVX512-BF16 too; in bf16 elsewhere only up to the preemption.
 SMOL_PROMPTS = ["Write a short essay about the history of Rome.", "How does photosynthesis work?",
                 "Give me a recipe for bread, step by step, with the quantities of flour and water.",
                 "Why is the sky blue?", "Explain the rules of chess to a child who has never played a board game.",
@@ -92,11 +93,13 @@ SMOL_GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_after_preemption(smollm2_dir, dtype, monkeypatch):
     """Six requests in a pool of 12 blocks (their 32 tokens each need up to 5), against the same
-    batch in a pool that never runs short. fp32: identical. bf16: identical up to each request's
-    first preemption (the batch around it does not matter), then it may continue differently —
-    the recompute prefill writes the request's KV again with a prefill's arithmetic, not the
-    decode steps' that first wrote it, and in bf16 that difference survives the rounding and can
-    flip a near-tie (docs/tests.md has the measured rate); it still ends whole."""
+    batch in a pool that never runs short. fp32: identical. bf16 on a CPU with AVX512-BF16:
+    identical (decodes take the prefill rows' attention arithmetic there, and the quantized
+    linears' rows are their own). bf16 elsewhere: identical up to each request's first
+    preemption (the batch around it does not matter), then it may continue differently — the
+    recompute prefill writes the request's KV again with a prefill's arithmetic, not the decode
+    steps' that first wrote it, and in bf16 that difference survives the rounding and can flip
+    a near-tie (docs/tests.md has the measured rate); it still ends whole."""
     torch_dtype = getattr(torch, dtype)
     unpressured = LLM(str(smollm2_dir), dtype=dtype, num_blocks=256)
     assert unpressured.engine.runner.dtype == torch_dtype  # really computed in the dtype asked
@@ -114,7 +117,7 @@ def test_smollm2_after_preemption(smollm2_dir, dtype, monkeypatch):
     assert_engine_idle(llm)
     assert any(n > 0 for n in preempted_at.values()), preempted_at  # preempted after some output
     got = [o.outputs[0].token_ids for o in outs]
-    if dtype == "float32":
+    if dtype == "float32" or "avx512_bf16" in native.cpu_flags():
         assert got == want
     for out, tokens, expected in zip(outs, got, want):
         at = preempted_at.get(out.request_id, len(expected))
