@@ -150,23 +150,40 @@ def test_a_request_computes_the_same_alone_as_in_any_batch(isa, data, dtype, sha
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window", [0, 1, 5])
+def test_bf16_short_contexts_match_the_dense_reference_at_every_position(isa, window):
+    """Short contexts, where one key more or less in a row's mask moves its output far past the
+    bf16 tolerance: every chunk length from 1 to 40 over contexts 0 to 70, each position."""
+    kernels = native.load(isa)
+    rng = np.random.default_rng(7)
+    shapes = [(int(rng.integers(0, 71)), n) for n in range(1, 41)]
+    case = make_case(rng, torch.bfloat16, 64, 3, 3, 16, shapes)
+    out = run_attention(kernels, *case, 0.125, 0.0, window)
+    expected = dense_reference(*case, 0.125, 0.0, window)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.bfloat16], rtol=TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.skipif("avx512_bf16" not in native.cpu_flags(),
                     reason="bf16 rows take the VDPBF16PS pairs on CPUs with AVX512-BF16 only")
 @SETTINGS
 @given(data=st.data(), context=st.integers(0, 1300), chunk=st.integers(2, 70), head_dim=st.sampled_from(HEAD_DIMS),
-       window=st.sampled_from([0, 0, 5, 100]), softcap=st.sampled_from([0.0, 0.0, 30.0]))
-def test_a_bf16_token_computes_the_same_as_a_decode_as_inside_a_prefill_chunk(data, context, chunk, head_dim, window,
+       kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 7]), block_size=st.sampled_from([1, 3, 8, 16, 32]),
+       others=request_shapes, window=st.sampled_from([0, 0, 1, 5, 100]), softcap=st.sampled_from([0.0, 0.0, 30.0]))
+def test_a_bf16_token_computes_the_same_as_a_decode_as_inside_a_prefill_chunk(data, context, chunk, head_dim, kv_heads,
+                                                                             group, block_size, others, window,
                                                                              softcap):
     """bf16 on a CPU with AVX512-BF16: decode rows take the prefill rows' tiles and pairs, so a
     token computed alone (a decode; the last prompt token after a full prefix hit) gives the bits
     it gets inside a prefill chunk (a recompute after preemption; a prompt without the hit)."""
     kernels = native.load("avx512")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    q, k_cache, v_cache, table, query_start, seq_lens = make_case(rng, torch.bfloat16, head_dim, 2, 3, 16,
-                                                                  [(context, chunk)])
+    # The chunk is the first request of a mixed batch; its tokens are then computed alone.
+    q, k_cache, v_cache, table, query_start, seq_lens = make_case(rng, torch.bfloat16, head_dim, kv_heads, group,
+                                                                  block_size, [(context, chunk), *others])
     chunked = run_attention(kernels, q, k_cache, v_cache, table, query_start, seq_lens, 0.125, softcap, window)
     for i in sorted({0, chunk - 1, data.draw(st.integers(0, chunk - 1))}):
-        alone = run_attention(kernels, q[i:i + 1], k_cache, v_cache, table, torch.tensor([0, 1], dtype=torch.int32),
+        alone = run_attention(kernels, q[i:i + 1], k_cache, v_cache, table[:1], torch.tensor([0, 1], dtype=torch.int32),
                               torch.tensor([context + i + 1], dtype=torch.int32), 0.125, softcap, window)
         assert torch.equal(alone, chunked[i:i + 1]), f"token {i} of the chunk differs as a decode"
 

@@ -3,10 +3,11 @@
 // No gather, no padding, no mask tensors. Sliding windows, tanh soft-capping, GQA.
 //
 // The arithmetic of one query row is fixed by the row alone, never by the batch around it:
-//   * keys are taken in chunks of W (the vector width) aligned at absolute positions, and in
-//     partitions of PARTITION keys aligned the same way;
-//   * inside a partition, an online softmax over its chunks (scores by transpose_sum, the
-//     probabilities times V added key by key in order);
+//   * keys are taken in chunks of W (the vector width) or tiles of TK aligned at absolute
+//     positions, and in partitions of PARTITION keys aligned the same way;
+//   * inside a partition, an online softmax over its chunks or tiles (scores and values in a
+//     fixed order: see scores_by_dot, scores_by_broadcast, accumulate_values, and for bf16 on a
+//     CPU with AVX512-BF16 the pairs of scores_by_bf16_pairs and accumulate_value_pairs);
 //   * the partitions' (max, sum, output) are merged in order into an empty state.
 // Whether a partition was computed by the same work item as its neighbours (a prefill tile)
 // or by its own (a long decode split across threads) changes nothing in the result, so an
@@ -204,8 +205,9 @@ ALWAYS_INLINE void scores_by_broadcast(const float* const* q, const float* kt, V
 #if defined(__AVX512F__)
 // scores_by_broadcast for bf16 queries and keys, two dims per VDPBF16PS: keys staged transposed
 // in pairs of dims (kt[(c * HD / 2 + d) * W + j] = key c * W + j, dims 2d and 2d + 1, as one
-// 32-bit word), each row's query as the same pairs. A bf16 product is exact in float, so only
-// the order of the sums differs from the float way (by pairs of dims, in order of d); a row's
+// 32-bit word), each row's query as the same pairs. A bf16 product is exact in float, so what
+// differs from the float way is the order of the sums (by pairs of dims, in order of d) and
+// VDPBF16PS's denormals (inputs read as zero, results flushed); a row's
 // sums are still its own. Called only where cpu_has_avx512_bf16().
 template <int NV, int RB>
 ENGINE_TARGET_BF16 __attribute__((noinline)) void scores_by_bf16_pairs(const uint32_t* const* q, const uint32_t* kt,
@@ -283,7 +285,8 @@ ENGINE_TARGET_BF16 __attribute__((noinline)) void accumulate_value_pairs(float* 
 
 // e^x for x <= 0 (-inf included: 0) to ~2e-6 relative, enough for a value rounded to bf16 next
 // (its half ulp is 2e-3): x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-5 Taylor polynomial,
-// times 2^n by VSCALEFPS (which flushes what is below float's range to 0).
+// times 2^n by VSCALEFPS (0 below float's range; the subnormals it gives for x in about
+// (-103, -87) become 0 in the bf16 rounding that follows).
 ENGINE_TARGET_BF16 inline __m512 exp_to_round_bf16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -303,8 +306,9 @@ ENGINE_TARGET_BF16 inline __m512 exp_to_round_bf16(__m512 x) {
 // (scaled and soft-capped here), seeing keys [klo, khi) of the tile (relative to its first);
 // the probabilities are written rounded to bf16 (VCVTNE2PS2BF16, nearest even) and summed as
 // rounded (VDPBF16PS by ones); m and l are updated, and the rescale of the row's output returned.
-ENGINE_TARGET_BF16 __attribute__((noinline)) float softmax_tile_bf16(const Vec* s, float scale, float softcap, int klo,
-                                                                     int khi, float& m, float& l, bf16_t* probs) {
+ENGINE_TARGET_BF16 __attribute__((noinline)) inline float softmax_tile_bf16(const Vec* s, float scale, float softcap,
+                                                                            int klo, int khi, float& m, float& l,
+                                                                            bf16_t* probs) {
   __m512 x[KT];
   __m512 top = _mm512_set1_ps(neg_inf());
   const bool edge = klo > 0 || khi < TK;  // masks only where the row's range ends inside the tile
@@ -451,7 +455,8 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
   for (int i = 0; i < rows; ++i) {
     const T* src = q + (a_.query_start[r] + token_of(i)) * a_.q_tok_stride + head_of(i) * a_.q_head_stride;
     for (int v = 0; v < NV; ++v) Vec::load(src + v * W).store(qf + size_t(i) * HD + v * W);
-    if (bf16_pairs) std::memcpy(q_pairs + size_t(i) * HD / 2, src, HD * sizeof(T));
+    if constexpr (std::is_same_v<T, bf16_t>)
+      if (bf16_pairs) std::memcpy(q_pairs + size_t(i) * HD / 2, src, HD * sizeof(bf16_t));
     row_lo[i] = key_lo(r, token_of(i));
     row_hi[i] = key_hi(r, token_of(i));
     run_m[i] = neg_inf();
