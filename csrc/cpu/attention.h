@@ -311,7 +311,7 @@ ENGINE_TARGET_BF16 __attribute__((noinline)) inline float softmax_tile_bf16(cons
                                                                             bf16_t* probs) {
   __m512 x[KT];
   __m512 top = _mm512_set1_ps(neg_inf());
-  const bool edge = klo > 0 || khi < TK;  // masks only where the row's range ends inside the tile
+  const bool edge = klo > 0 || khi < TK;  // masks only where the row's range starts or ends inside the tile
   for (int c = 0; c < KT; ++c) {
     Vec y = s[c] * Vec::set1(scale);
     if (softcap > 0.0f) y = vtanh(y * Vec::set1(1.0f / softcap)) * Vec::set1(softcap);
@@ -536,14 +536,14 @@ void PagedAttention<T, NV>::compute(const Item& it, std::vector<float>& scratch)
         if (bf16_pairs) {
 #if defined(__AVX512F__)
           if constexpr (std::is_same_v<T, bf16_t>) {
-            auto key = [&](int j) {
-              return key_at[j] < 0 ? nullptr : kcache + key_at[j] + int64_t(hh) * a_.kv_head_stride;
+            // Key or value j of the tile in this kv head, null outside the partition.
+            auto row = [&](const T* cache, int j) {
+              return key_at[j] < 0 ? nullptr : cache + key_at[j] + int64_t(hh) * a_.kv_head_stride;
             };
-            for (int c = 0; c < KT; ++c) stage_key_pairs<NV>(key, c, kt_pairs + c * HD / 2 * W);
-            auto value = [&](int j) {
-              return key_at[j] < 0 ? nullptr : vcache + key_at[j] + int64_t(hh) * a_.kv_head_stride;
-            };
-            for (int j = 0; j < tile_keys; j += 2) stage_value_pair(value(j), value(j + 1), v_pairs + j / 2 * HD, NV);
+            for (int c = 0; c < KT; ++c)
+              stage_key_pairs<NV>([&](int j) { return row(kcache, j); }, c, kt_pairs + c * HD / 2 * W);
+            for (int j = 0; j < tile_keys; j += 2)
+              stage_value_pair(row(vcache, j), row(vcache, j + 1), v_pairs + j / 2 * HD, NV);
           }
 #endif
         } else if (!by_dot) {
