@@ -43,6 +43,7 @@ from engine.kv_transfer.p2p_wire import (
     proof_ok,
 )
 from engine.kv_transfer.secret import KVSecret
+from engine.side_threads import side_thread
 from engine.request_trace import KVLoadTrace
 
 logger = logging.getLogger("engine.kv_transfer")
@@ -83,9 +84,9 @@ class P2PConsumer:
         self._stop = threading.Event()
         # Several pullers, each with its own peer sockets: a transfer that stalls (a dropped
         # frame waits for its deadline) never holds up the others.
-        self._threads = [threading.Thread(target=self._pull_loop, name=f"kv-pull-{i}", daemon=True)
+        self._threads = [side_thread(self._pull_loop, f"kv-pull-{i}")
                          for i in range(NUM_PULLERS)]
-        self._threads.append(threading.Thread(target=self._control_loop, name="kv-control", daemon=True))
+        self._threads.append(side_thread(self._control_loop, "kv-control"))
 
     def start(self, kv: torch.Tensor) -> None:
         self.kv = kv

@@ -49,6 +49,7 @@ from engine.kv_transfer.p2p_wire import (
     _inject_fault, curve_keys, decode, encode, fault_delay, proof, proof_ok,
 )
 from engine.kv_transfer.secret import KVSecret
+from engine.side_threads import side_thread
 
 logger = logging.getLogger("engine.kv_transfer")
 
@@ -130,7 +131,7 @@ class P2PProducer:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._bind_error: Exception | None = None
-        self._thread = threading.Thread(target=self._serve_loop, name="kv-serve", daemon=True)
+        self._thread = side_thread(self._serve_loop, "kv-serve")
 
     # ---- engine thread -------------------------------------------------------------------
     def start(self, kv: torch.Tensor, shm_path: str) -> None:

@@ -37,6 +37,7 @@ from engine.kv_transfer.stores.base import KVStore
 from engine.kv_transfer.tier_events import TierEvents
 from engine.kv_transfer.tiered import TieredMetadata, TierLoad, TierLookup
 from engine.outputs import KVConnectorOutput, KVConnectorStats
+from engine.side_threads import side_thread
 from engine.request_trace import KVLoadTrace, TierLoadTrace
 
 logger = logging.getLogger("engine.kv_store")
@@ -149,11 +150,11 @@ class TieredConnectorWorker(KVConnectorWorker):
         self._samples: list[tuple[str, int, float]] = []
         self._leases: dict[str, list[str]] = {}
         # Several loaders: one load waiting for promised chunks must not hold up the others.
-        self._threads = [threading.Thread(target=self._load_loop, name=f"kv-store-load-{i}", daemon=True)
+        self._threads = [side_thread(self._load_loop, f"kv-store-load-{i}")
                          for i in range(NUM_LOADERS)]
-        self._threads += [threading.Thread(target=self._lookup_loop, name=f"kv-store-lookup-{i}", daemon=True)
+        self._threads += [side_thread(self._lookup_loop, f"kv-store-lookup-{i}")
                           for i in range(NUM_LOOKUP_THREADS)]
-        self._threads.append(threading.Thread(target=self._save_loop, name="kv-store-save", daemon=True))
+        self._threads.append(side_thread(self._save_loop, "kv-store-save"))
         self._slow_tiers = [s for s in tiers.stores if s.name != "cpu"]
         self._cpu_tier = next((s for s in tiers.stores if s.name == "cpu"), None)
         # A slow tier's used_bytes may be a network call (Redis INFO): the saver refreshes it.
