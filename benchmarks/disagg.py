@@ -4,13 +4,14 @@
    ipc and over TCP loopback, authenticated with a deployment secret; over TCP also encrypted,
    as with --kv-encrypt) next to torch memcpy and raw zmq TCP loopback bandwidth.
 2. TTFT and ITL, colocated `engine serve` against prefill -> decode through `engine proxy`,
-   at several prompt lengths (sequential requests, so this is the pure disaggregation overhead),
+   at several prompt lengths (sequential requests, so this is the pure disaggregation overhead;
+   interleaved, each setup first every other request),
    and where each setup's time to first token goes, phase by phase (every process marks its
    phases, engine/timeline.py; medians over the requests): the next regression shows where it is.
 
     python benchmarks/disagg.py [--model M] [--lengths 128 512 2048] [--requests 5] [--skip-serving]
                                 [--max-local-prefill-tokens N] [--prefill-args "--kv-store cpu:2GiB"]
-                                [--skip-bandwidth]
+                                [--skip-bandwidth] [--settle SECONDS]
 """
 from __future__ import annotations
 
@@ -227,7 +228,7 @@ def mixed_load(url: str, seconds: float, long_len: int = 2048, every: float = 4.
 
 
 def serving(model: str | None, lengths: list[int], requests: int, max_local_prefill_tokens: int = 0,
-            prefill_args: tuple[str, ...] = ()) -> tuple[list[tuple], dict]:
+            prefill_args: tuple[str, ...] = (), settle: float = 0.0) -> tuple[list[tuple], dict]:
     """Rows of TTFT/ITL per prompt length (and the mixed-load row), and per length the median
     seconds of each phase of TTFT per setup."""
     from engine.worker.loader import resolve_model
@@ -254,9 +255,12 @@ def serving(model: str | None, lengths: list[int], requests: int, max_local_pref
             second: dict[str, list[float]] = {name: [] for name, _ in targets}  # first -> second token
             sent_at: dict[str, list[tuple[str, float, float]]] = {name: [] for name, _ in targets}
             for r in range(requests):
-                # Interleaved, so drift in this machine's speed hits both setups alike.
+                # Interleaved, so drift in this machine's speed hits both setups alike, and each
+                # goes first every other time (ABBA), so neither always follows the other's
+                # lingering work; `settle` seconds between requests let that work end.
                 prompt = [1000 + (r * 7919 + i * 31) % 40000 for i in range(n)]  # distinct: no prefix hits
-                for name, url in targets:
+                for name, url in (targets if r % 2 == 0 else targets[::-1]):
+                    time.sleep(settle)
                     request_id, sent = f"bench-{uuid.uuid4().hex[:12]}", []
                     ttft, gaps = stream_latency(url, prompt, 16, request_id, sent)
                     ttfts[name].append(ttft)
@@ -332,6 +336,8 @@ def main() -> None:
     parser.add_argument("--prefill-args", default="", help="more flags for the prefill instance alone")
     parser.add_argument("--mixed-seconds", type=float, default=MIXED_SECONDS,
                         help="duration of the mixed-load ITL run per setup (0 skips it)")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds of quiet before each measured request (default 0: back to back)")
     args = parser.parse_args()
     globals()["MIXED_SECONDS"] = args.mixed_seconds
 
@@ -339,7 +345,7 @@ def main() -> None:
         bandwidth()
     if not args.skip_serving:
         rows, phases = serving(args.model, args.lengths, args.requests, args.max_local_prefill_tokens,
-                               tuple(shlex.split(args.prefill_args)))
+                               tuple(shlex.split(args.prefill_args)), args.settle)
         print("\n| prompt tokens | colocated TTFT ms | P->D TTFT ms | overhead | colocated ITL ms | P->D ITL ms "
               "| colocated 1st->2nd token ms | P->D 1st->2nd token ms |")
         print("|---|---|---|---|---|---|---|---|")
