@@ -418,6 +418,8 @@ def cmd_disagg(args: argparse.Namespace) -> int:
             engine_args += [] if value else ["--no-enable-prefix-caching"]
         elif key == "enforce_eager":
             engine_args += ["--enforce-eager"] if value else []
+        elif isinstance(value, bool):  # a --flag / --no-flag pair (argparse.BooleanOptionalAction)
+            engine_args += [flag if value else "--no-" + flag[2:]]
         elif key == "gpu_memory_utilization":
             # The share of a GPU both instances hold: halved when they share one (vLLM's meaning:
             # each instance's own share, so two at 0.45 fit one GPU at 0.9).

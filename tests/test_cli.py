@@ -46,6 +46,34 @@ def test_serve_help_documents_every_flag():
         assert flag in out, flag
 
 
+@pytest.mark.parametrize("flags", [
+    [],  # `make serve`: engine disagg with every default
+    ["--no-kv-always-load", "--no-enable-prefix-caching", "--enforce-eager", "--dtype", "float32",
+     "--kv-store", "cpu:1GiB", "--max-num-seqs", "7", "--seed", "3", "--kv-chunk-tokens", "64"],
+], ids=["defaults", "non-defaults"])
+def test_engine_disagg_hands_its_instances_the_engine_flags_it_was_given(monkeypatch, flags):
+    """Each instance's `engine serve` must read what `engine disagg` read: a flag handed on in a
+    form serve does not parse (a boolean as its value, `--kv-always-load True`) once made
+    `make serve` (every default) take "True" for its model and exit."""
+    from entrypoints import cli, launcher
+    handed, served, read = [], [], {}
+    monkeypatch.setattr(launcher, "run_disagg",
+                        lambda model, host, port, engine_args, *a, **k: handed.append((model, engine_args)) or 0)
+    assert cli.main(["disagg", *flags]) == 0
+    model, engine_args = handed[0]
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: served.append(args) or 0)
+    assert cli.main(["serve", model, *engine_args]) == 0
+    assert served[0].model == model
+    monkeypatch.setattr(cli, "cmd_disagg", lambda args: read.update(cli.engine_kwargs(args)) or 0)
+    assert cli.main(["disagg", *flags]) == 0
+    # --long-prefill-token-threshold is the decode instance's alone; the GPU share is halved for
+    # two instances on one device (vLLM's meaning of the flag: each instance's own share)
+    apart = ("long_prefill_token_threshold", "gpu_memory_utilization")
+    got = cli.engine_kwargs(served[0])
+    assert got["gpu_memory_utilization"] == read["gpu_memory_utilization"] / 2
+    assert {k: v for k, v in got.items() if k not in apart} == {k: v for k, v in read.items() if k not in apart}
+
+
 def test_engine_status_through_a_proxy(tiny_llama):
     """`engine status URL` on a proxy prints the proxy and the live state of every instance
     behind it; an unreachable URL is reported and makes the exit status 1."""
