@@ -272,7 +272,7 @@ class OpenAIServer:
         arrival = time.monotonic() if received is None else received  # vLLM's arrival_time: before tokenizing
         timeline.mark("api.received", engine_id, at=received)
         timeline.mark("api.tokenized", engine_id, at=tokenized)
-        spans = self._request_spans(raw, request, engine_id, params, received or arrival)
+        spans = self._request_spans(raw, request, request_id, engine_id, params, received or arrival)
         traced = spans is not None and spans.traced
         streams: list[RequestStream] = []
         try:
@@ -300,9 +300,10 @@ class OpenAIServer:
                                      headers={"X-Request-Id": request_id})
         return await _until_disconnect(raw, response.collect(streams), streams)
 
-    def _request_spans(self, raw: Request, request, engine_id: str, params: SamplingParams,
+    def _request_spans(self, raw: Request, request, client_id: str, engine_id: str, params: SamplingParams,
                        received: float) -> tracing.RequestSpans | None:
-        """The request's span (a child of its traceparent) when tracing is on."""
+        """The request's span (a child of its traceparent) when tracing is on; ``client_id``: the
+        id the client is shown, validated (1-256 visible characters), not the raw header."""
         if not tracing.enabled():
             return None
         transfer = self.client.config.kv_transfer_config
@@ -311,7 +312,7 @@ class OpenAIServer:
         return tracing.start_request_spans(raw.headers, received, engine_id, role, {
             "gen_ai.response.model": request.model or self.model_names[0], "gen_ai.request.n": params.n,
             "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
-            "gen_ai.request.top_p": params.top_p, "engine.client_request_id": raw.headers.get("x-request-id")})
+            "gen_ai.request.top_p": params.top_p, "engine.client_request_id": client_id})
 
     async def release_kv(self, raw: Request) -> Response:
         """POST /v1/kv/release {"kv_transfer_params": ...}: a router will not use a hand-off this

@@ -164,6 +164,18 @@ def test_serve_continues_the_client_traceparent(server, receiver):
     assert spans["prefill"].attributes["engine.prefill.tokens_computed"] == 100
 
 
+def test_the_span_names_the_validated_client_id_not_a_raw_header(server, receiver):
+    """The body's request_id wins over X-Request-Id; the header, unchecked then, must not reach
+    the span (an exporter would carry whatever a client put there, 8,000 characters of it here)."""
+    trace_id = "7" * 32
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      headers={"traceparent": f"00-{trace_id}-{'8' * 16}-01", "X-Request-Id": "x" * 8000},
+                      json={"prompt": _prompt(9, 20), "max_tokens": 2, "request_id": "mine"})
+    assert resp.status_code == 200, resp.text
+    root = _spans_of(receiver, trace_id, {"llm_request"})["llm_request"]
+    assert root.attributes["engine.client_request_id"] == "mine"
+
+
 def test_a_request_the_engine_refuses_still_has_its_span(server, receiver):
     """A request the engine core refuses after the span began (here: D-style conditional
     admission, 409, its prompt longer than the caller's max_local_prefill_tokens) ends its span
