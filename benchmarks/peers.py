@@ -1,6 +1,7 @@
 """This engine against vLLM's CPU build on the same machine, interleaved in one run.
 
-    python benchmarks/peers.py [--dtype float32|bfloat16] [--rounds 2] [--workload uniform varied single]
+    python benchmarks/peers.py [--dtype float32|bfloat16] [--rounds 2] [--workload uniform varied single long long-single]
+                               (also long-prefill: long's prompts with one new token each, its prefill alone)
 
 Each side runs in its own process, in its own venv (vLLM's is created on first use by
 benchmarks/peer_venv.sh, never a project dependency), with the same model files (the engine's
