@@ -9,8 +9,9 @@ hundreds of barriers of a step. A side thread's first KV copy used to set that o
 process's life. On a 2-vCPU VM a decode instance that had pulled a prompt decoded at 11.6 ms a
 token where the same engine without a connector took 6.7 ms, its compute threads slept ~2,000
 times per 16-token request (against ~0), and a prefill instance's prefill was 5-15% slower
-(issue 49). A side thread's copies are memory-bound and small; on one thread they never start a
-team.
+(issue 49). On one thread a side thread's ops never start a team; its copies (a pull's scatter,
+a tier chunk's load) then run at one core's copy rate, not measured against two here. MKL's own
+threads are not covered (no side thread calls a BLAS routine).
 
 omp_set_num_threads sets the calling thread's own OpenMP thread count, which is what ATen reads
 (torch.get_num_threads()); torch.set_num_threads would also change the count every thread
@@ -27,46 +28,42 @@ import torch
 
 logger = logging.getLogger("engine")
 
-_OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
 _setter_lock = threading.Lock()
 _setter: Callable[[int], None] | None = None
 _looked = False
+_warned = False
 
 
 def _openmp_set_num_threads() -> Callable[[int], None] | None:
-    """omp_set_num_threads of the OpenMP runtime torch loaded (found among this process's mapped
-    files: a runtime of the same name elsewhere on the system would be another copy), or None
-    with the reason logged once."""
+    """omp_set_num_threads of the OpenMP runtime ATen uses, or None with the reason logged once.
+    Looked up through libtorch_cpu's own handle: dlsym then searches that library and its
+    dependencies, the runtime ATen is bound to, never another copy some other package mapped
+    (a wheel's bundled libgomp, the system's)."""
     global _setter, _looked
     with _setter_lock:
         if _looked:
             return _setter
         _looked = True
+        libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
         try:
-            with open("/proc/self/maps") as maps:
-                paths = {fields[5] for fields in (line.split(maxsplit=5) for line in maps) if len(fields) == 6}
-        except OSError as exc:
-            logger.info("side threads run torch ops with torch's thread count: no /proc/self/maps (%s)", exc)
-            return None
-        for path in sorted(paths):
-            path = path.strip()
-            if os.path.basename(path).startswith(_OPENMP_LIBRARIES) and os.path.exists(path):
-                try:
-                    _setter = ctypes.CDLL(path).omp_set_num_threads
-                    return _setter
-                except (OSError, AttributeError) as exc:
-                    logger.info("side threads run torch ops with torch's thread count: %s: %s", path, exc)
-                    return None
-        logger.info("side threads run torch ops with torch's thread count: torch loaded no OpenMP runtime")
-        return None
+            _setter = ctypes.CDLL(libtorch).omp_set_num_threads
+        except (OSError, AttributeError) as exc:
+            logger.warning("the KV connector threads run torch ops on torch's thread count, which can slow the "
+                           "forward pass: no omp_set_num_threads through %s (%s)", libtorch, exc)
+        return _setter
 
 
 def one_thread_for_ops() -> None:
     """From now on, torch ops called on this thread run on it alone (no OpenMP team)."""
+    global _warned
     torch.get_num_threads()  # ATen sets a thread's OpenMP count from the process's once, first
     setter = _openmp_set_num_threads()
     if setter is not None:
         setter(1)
+    if setter is not None and torch.get_num_threads() != 1 and not _warned:
+        _warned = True
+        logger.warning("the KV connector threads run torch ops on %d threads, which can slow the forward pass: "
+                       "omp_set_num_threads(1) did not reach ATen's runtime", torch.get_num_threads())
 
 
 def side_thread(target: Callable[[], None], name: str) -> threading.Thread:

@@ -272,7 +272,9 @@ class OpenAIServer:
         arrival = time.monotonic() if received is None else received  # vLLM's arrival_time: before tokenizing
         timeline.mark("api.received", engine_id, at=received)
         timeline.mark("api.tokenized", engine_id, at=tokenized)
-        spans = self._request_spans(raw, request, request_id, engine_id, params, received or arrival)
+        given = request.request_id is not None or raw.headers.get("x-request-id")  # else the id is ours
+        spans = self._request_spans(raw, request, request_id if given else None, engine_id, params,
+                                    received or arrival)
         traced = spans is not None and spans.traced
         streams: list[RequestStream] = []
         try:
@@ -300,10 +302,11 @@ class OpenAIServer:
                                      headers={"X-Request-Id": request_id})
         return await _until_disconnect(raw, response.collect(streams), streams)
 
-    def _request_spans(self, raw: Request, request, client_id: str, engine_id: str, params: SamplingParams,
-                       received: float) -> tracing.RequestSpans | None:
+    def _request_spans(self, raw: Request, request, client_id: str | None, engine_id: str,
+                       params: SamplingParams, received: float) -> tracing.RequestSpans | None:
         """The request's span (a child of its traceparent) when tracing is on; ``client_id``: the
-        id the client is shown, validated (1-256 visible characters), not the raw header."""
+        client's own id as validated (1-256 visible characters), never the raw header; None when
+        it gave none."""
         if not tracing.enabled():
             return None
         transfer = self.client.config.kv_transfer_config

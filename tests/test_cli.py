@@ -63,7 +63,7 @@ def test_engine_disagg_hands_its_instances_the_engine_flags_it_was_given(monkeyp
     model, engine_args = handed[0]
     monkeypatch.setattr(cli, "cmd_serve", lambda args: served.append(args) or 0)
     assert cli.main(["serve", model, *engine_args]) == 0
-    assert served[0].model == model
+    assert served[0].model_path == model
     monkeypatch.setattr(cli, "cmd_disagg", lambda args: read.update(cli.engine_kwargs(args)) or 0)
     assert cli.main(["disagg", *flags]) == 0
     # --long-prefill-token-threshold is the decode instance's alone; the GPU share is halved for

@@ -3,11 +3,13 @@ torch ops on themselves alone: a big KV copy there starts no OpenMP team, so lib
 spinning at the forward pass's barriers (engine/side_threads.py says why that matters: a decode
 instance decoded at 11.6 instead of 6.7 ms a token once one of them had).
 
-A team is seen as it is: native threads of this process that Python does not know (zmq's I/O
-threads, named ZMQbg, aside)."""
+A team is seen as it is: native threads started during the measurement that Python does not know
+(zmq's I/O threads, named ZMQbg, aside)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,23 +24,31 @@ from engine.kv_transfer.tiered_worker import TieredConnectorWorker, TieredStore
 from engine.side_threads import side_thread
 from tests.test_p2p_worker import _consumer_of, _load_result, _sent, _transfer, kv_tensor_for
 
-# [layers, k/v, blocks, block_size, kv heads, head dim]: a block of every layer is 64K floats,
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+
+# [layers, k/v, blocks, block_size, kv heads, head dim]: a block of every layer is 32K floats,
 # so a copy of a few blocks is far above ATen's grain for splitting an op across threads.
 SHAPE = (4, 2, 32, 16, 4, 64)
 
 
-def openmp_workers() -> set[int]:
-    """This process's native threads that are neither Python's nor zmq's: OpenMP team workers."""
+def threads() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def openmp_workers_since(before: set[int]) -> set[int]:
+    """Threads of this process started since ``before`` (its thread ids then) that are neither
+    Python's nor zmq's: OpenMP team workers. (A thread that existed before is never counted,
+    even a Python thread that is ending and has left threading.enumerate().)"""
     python = {t.native_id for t in threading.enumerate()}
     found = set()
-    for tid in os.listdir("/proc/self/task"):
+    for tid in threads() - before - python:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read()
         except FileNotFoundError:  # ended meanwhile
             continue
-        if int(tid) not in python and not name.startswith("ZMQ"):
-            found.add(int(tid))
+        if not name.startswith("ZMQ"):
+            found.add(tid)
     return found
 
 
@@ -62,12 +72,12 @@ def big_copy() -> None:
 def workers_started_in(make_thread) -> set[int]:
     """The OpenMP workers that appear while a thread made by ``make_thread(body)`` runs a big copy
     (measured before it ends: a thread's team ends with it)."""
-    before = openmp_workers()
+    before = threads()
     seen: list[set[int]] = []
 
     def body() -> None:
         big_copy()
-        seen.append(openmp_workers() - before)
+        seen.append(openmp_workers_since(before))
     thread = make_thread(body)
     thread.start()
     thread.join(30)
@@ -93,6 +103,26 @@ def test_a_side_thread_leaves_every_other_threads_count_alone():
     assert torch.get_num_threads() == 2
 
 
+def test_another_openmp_runtime_in_the_process_is_not_the_one_set():
+    """Another package's copy of libgomp mapped beside torch's (a wheel's bundled one, the
+    system's): the setting must reach the runtime ATen uses, not the first copy found. In a
+    process of its own: two runtimes must not linger in this one."""
+    # By its path: by name, the loader would hand back torch's copy (same soname).
+    other = next((p for p in ("/usr/lib/x86_64-linux-gnu/libgomp.so.1", "/usr/lib64/libgomp.so.1",
+                              "/usr/lib/aarch64-linux-gnu/libgomp.so.1") if os.path.exists(p)), None)
+    if other is None:
+        pytest.skip("no system libgomp to map beside torch's")
+    script = (f"import ctypes, torch; ctypes.CDLL({other!r}); torch.set_num_threads(2)\n"
+              "from engine.side_threads import side_thread\n"
+              "seen = []\n"
+              "t = side_thread(lambda: seen.append(torch.get_num_threads()), 'test-side'); t.start(); t.join(30)\n"
+              "print(seen)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1]", out.stderr
+
+
 def test_a_p2p_transfer_starts_no_openmp_team(monkeypatch):
     """The producer's gather (its serve thread) and the consumer's scatter (its pull threads),
     over the socket (P's KV is private by default; the shared-memory loan copies in pieces too
@@ -105,14 +135,14 @@ def test_a_p2p_transfer_starts_no_openmp_team(monkeypatch):
     producer.kv.copy_(torch.randn(SHAPE))
     consumer = _consumer_of(SHAPE)
     try:
-        before = openmp_workers()
+        before = threads()
         src, dst = list(range(0, 24, 2)), list(range(8, 20))
         out = _transfer(producer, consumer, "r", src, dst, ipc_path(producer.port))
         assert out.finished_recving == {"r"}, out.failure_reasons
         assert torch.equal(consumer.kv[:, :, dst], producer.kv[:, :, src])
         assert consumer.counters["shm_loads"] == 0
         _sent(producer, "r")
-        assert openmp_workers() - before == set()
+        assert openmp_workers_since(before) == set()
     finally:
         producer.shutdown()
         consumer.shutdown()
@@ -127,12 +157,12 @@ def test_a_tier_load_starts_no_openmp_team():
     try:
         chunk = torch.randn(fmt.shape)
         store.put("chunk", chunk)
-        before = openmp_workers()
+        before = threads()
         worker.start_load_kv(TieredMetadata(loads=[TierLoad("r", [ChunkLoad("chunk", 0, list(range(10, 18)))])]))
         out = _load_result(worker)
         assert out.finished_recving == {"r"}, out.failure_reasons
         assert torch.equal(worker.kv[:, :, 10:18], chunk)
         time.sleep(0.05)
-        assert openmp_workers() - before == set()
+        assert openmp_workers_since(before) == set()
     finally:
         worker.shutdown()
