@@ -4,13 +4,20 @@ vLLM's own client (`vllm bench serve`) in one run, interleaved.
 Both servers start once, as a user starts them (defaults, the same model directory, dtype and
 served name; vLLM's OpenMP threads bound to this host's cores as its docs say). While one is
 measured the other's processes are stopped (SIGSTOP, then SIGCONT), so an idle server's
-polling never takes the measured one's cores. For each rate (alternating who goes first):
-random --input-len -> --output-len prompts, --num-prompts of them, `--ignore-eos`.
+polling never takes the measured one's cores. Both serve the same float checkpoint (the default
+model's .gguf dequantized, benchmarks/float_model.py), at the same context length.
 
-    python benchmarks/serve_peers.py [--dtype bfloat16] [--rates 1 2 4] [--num-prompts 32]
-        [--input-len 512] [--output-len 128] [--rounds 1]
+For each rate (alternating who goes first): random --input-len -> --output-len prompts,
+--num-prompts of them, `--ignore-eos`; then the long-prompt set, random --long-input-len ->
+--output-len at each --long-rates value, --long-num-prompts of them. Goodput counts the
+requests with TTFT <= 1 s and TPOT <= 100 ms (`vllm bench serve --goodput`), per second.
 
-Targets (issue 26): at every rate, output throughput >= vLLM's, TTFT and TPOT medians no worse.
+    python benchmarks/serve_peers.py [--dtype bfloat16] [--rates 1 2 4 8] [--num-prompts 32]
+        [--input-len 512] [--output-len 128] [--long-rates 0.25 0.5] [--long-input-len 3000]
+        [--long-num-prompts 12] [--rounds 1] [--engine-args "..."]
+
+Targets (issue 47): at every rate, output throughput and goodput >= vLLM's, TTFT and TPOT
+medians no worse.
 """
 from __future__ import annotations
 
@@ -28,11 +35,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from serve_layouts import KEYS, VLLM_PYTHON, median_by_throughput, run_client  # noqa: E402
+from serve_layouts import KEYS, VLLM_PYTHON, median_by_throughput, vllm_bench  # noqa: E402
 from entrypoints.launcher import wait_healthy  # noqa: E402
 from tests.server_utils import free_port  # noqa: E402
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
+GOODPUT = ["--goodput", "ttft:1000", "tpot:100"]  # ms
+
+
+def bench(url: str, model_dir: str, rate: float, num_prompts: int, seed: int, input_len: int,
+          output_len: int) -> dict:
+    return vllm_bench(url, model_dir, [
+        "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+        "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--ignore-eos", "--seed", str(seed),
+        *GOODPUT])
 
 
 class Server:
@@ -59,10 +75,13 @@ class Server:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0, 8.0])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--long-rates", type=float, nargs="*", default=[0.25, 0.5])
+    parser.add_argument("--long-input-len", type=int, default=3000)
+    parser.add_argument("--long-num-prompts", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=1, help="the median round per rate is shown")
     parser.add_argument("--engine-args", default="", help="extra flags for engine serve")
     args = parser.parse_args()
@@ -73,7 +92,8 @@ def main() -> None:
     model_dir = str(default_float_checkpoint())  # vLLM reads float checkpoints only
     cores = f"0-{len(os.sched_getaffinity(0)) - 1}"
     servers = [
-        Server("engine", [sys.executable, "-m", "entrypoints.cli", "serve", "--dtype", args.dtype,
+        Server("engine", [sys.executable, "-m", "entrypoints.cli", "serve", model_dir, "--served-model-name",
+                          SERVED_NAME, "--dtype", args.dtype, "--max-model-len", "4096",
                           *args.engine_args.split()]),
         Server("vllm", [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                         "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--max-model-len", "4096",
@@ -86,44 +106,51 @@ def main() -> None:
         for server in servers:
             wait_healthy(server.url, server.proc, 900)
         for server in servers:  # warm-up, then asleep until its turn
-            run_client("vllm", server.url, model_dir, float("inf"), 4, 99, args.input_len, 16)
+            bench(server.url, model_dir, float("inf"), 4, 99, args.input_len, 16)
             server.signal(signal.SIGSTOP)
-        print(f"vllm bench serve: {args.num_prompts} prompts per rate, random {args.input_len}->{args.output_len}, "
-              f"{args.dtype}", flush=True)
+        print(f"vllm bench serve: {args.num_prompts} prompts per rate, random {args.input_len}->{args.output_len}; "
+              f"{args.long_num_prompts} per long rate, {args.long_input_len}->{args.output_len}; {args.dtype}",
+              flush=True)
+        sets = [(rate, args.num_prompts, args.input_len) for rate in args.rates] + \
+               [(rate, args.long_num_prompts, args.long_input_len) for rate in args.long_rates]
         for r in range(args.rounds):
-            for i, rate in enumerate(args.rates):
+            for i, (rate, num_prompts, input_len) in enumerate(sets):
                 for server in (servers if (i + r) % 2 == 0 else servers[::-1]):
                     server.signal(signal.SIGCONT)
                     time.sleep(1.0)
                     try:
-                        summary = run_client("vllm", server.url, model_dir, rate, args.num_prompts, 1000 * r + i,
-                                             args.input_len, args.output_len)
+                        summary = bench(server.url, model_dir, rate, num_prompts, 1000 * r + i, input_len,
+                                        args.output_len)
                     finally:
                         server.signal(signal.SIGSTOP)
-                    results.setdefault((server.name, rate), []).append(summary)
-                    print(f"  round {r} rate {rate:g} {server.name:6s} "
-                          + "  ".join(f"{k} {summary[k]:.1f}" for k in KEYS), flush=True)
+                    results.setdefault((server.name, rate, input_len), []).append(summary)
+                    print(f"  round {r} {input_len}->{args.output_len} rate {rate:g} {server.name:6s} "
+                          + "  ".join(f"{k} {summary[k]:.1f}" for k in (*KEYS, "request_goodput")), flush=True)
     finally:
         for server in servers:
             server.stop()
 
-    def median(name: str, rate: float) -> dict:
-        return median_by_throughput(results[name, rate])
+    def median(name: str, rate: float, input_len: int) -> dict:
+        return median_by_throughput(results[name, rate, input_len])
 
-    print("\n| req/s | server | TTFT median / p99 ms | TPOT median ms | ITL p99 ms | output tok/s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| prompt | req/s | server | TTFT median / p99 ms | TPOT median ms | ITL p99 ms | output tok/s "
+          "| goodput req/s |")
+    print("|---|---|---|---|---|---|---|---|")
     verdicts = []
-    for rate in args.rates:
-        ours, theirs = median("engine", rate), median("vllm", rate)
+    for rate, _, input_len in sets:
+        ours, theirs = median("engine", rate, input_len), median("vllm", rate, input_len)
         for name, s in (("vllm serve", theirs), ("engine serve", ours)):
-            print(f"| {rate:g} | {name} | {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
-                  f"{s['median_tpot_ms']:.1f} | {s['p99_itl_ms']:.0f} | {s['output_throughput']:.1f} |")
+            print(f"| {input_len} | {rate:g} | {name} | {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
+                  f"{s['median_tpot_ms']:.1f} | {s['p99_itl_ms']:.0f} | {s['output_throughput']:.1f} | "
+                  f"{s['request_goodput']:.2f} |")
         tput = ours["output_throughput"] / theirs["output_throughput"]
         ttft = ours["median_ttft_ms"] / theirs["median_ttft_ms"]
         tpot = ours["median_tpot_ms"] / theirs["median_tpot_ms"]
-        met = tput >= 1.0 and ttft <= 1.0 and tpot <= 1.0
-        verdicts.append(f"{rate:g} req/s: throughput {tput:.2f}x, TTFT median {ttft:.2f}x, TPOT median {tpot:.2f}x "
-                        f"of vLLM's ({'met' if met else 'MISSED'})")
+        good = ours["request_goodput"] >= theirs["request_goodput"]
+        met = tput >= 1.0 and ttft <= 1.0 and tpot <= 1.0 and good
+        verdicts.append(f"{input_len} tokens at {rate:g} req/s: throughput {tput:.2f}x, TTFT median {ttft:.2f}x, "
+                        f"TPOT median {tpot:.2f}x of vLLM's, goodput {ours['request_goodput']:.2f} vs "
+                        f"{theirs['request_goodput']:.2f} req/s ({'met' if met else 'MISSED'})")
     print("\n".join(["", *verdicts]))
 
 

@@ -19,6 +19,7 @@ started later begins with (a user's thread that calls LLM.generate, say)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -28,29 +29,22 @@ import torch
 
 logger = logging.getLogger("engine")
 
-_setter_lock = threading.Lock()
-_setter: Callable[[int], None] | None = None
-_looked = False
 _warned = False
 
 
+@functools.cache
 def _openmp_set_num_threads() -> Callable[[int], None] | None:
-    """omp_set_num_threads of the OpenMP runtime ATen uses, or None with the reason logged once.
-    Looked up through libtorch_cpu's own handle: dlsym then searches that library and its
-    dependencies, the runtime ATen is bound to, never another copy some other package mapped
-    (a wheel's bundled libgomp, the system's)."""
-    global _setter, _looked
-    with _setter_lock:
-        if _looked:
-            return _setter
-        _looked = True
-        libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-        try:
-            _setter = ctypes.CDLL(libtorch).omp_set_num_threads
-        except (OSError, AttributeError) as exc:
-            logger.warning("the KV connector threads run torch ops on torch's thread count, which can slow the "
-                           "forward pass: no omp_set_num_threads through %s (%s)", libtorch, exc)
-        return _setter
+    """omp_set_num_threads of the OpenMP runtime ATen uses, or None with the reason logged (once;
+    twice at most if two threads race to the first call). Looked up through libtorch_cpu's own
+    handle: dlsym then searches that library and its dependencies, the runtime ATen is bound to,
+    never another copy some other package mapped (a wheel's bundled libgomp, the system's)."""
+    libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        return ctypes.CDLL(libtorch).omp_set_num_threads
+    except (OSError, AttributeError) as exc:
+        logger.warning("the KV connector threads run torch ops on torch's thread count, which can slow the "
+                       "forward pass: no omp_set_num_threads through %s (%s)", libtorch, exc)
+        return None
 
 
 def one_thread_for_ops() -> None:

@@ -67,6 +67,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens per stored KV chunk, a multiple of --block-size (default 256)")
     parser.add_argument("--kv-store-ttl-s", type=int, default=24 * 3600,
                         help="expiry of Redis KV entries in seconds (default 86400)")
+    parser.add_argument("--small-rows-linear", choices=["auto", "on", "off"], default="auto",
+                        help="bfloat16 on CPUs with AVX512-BF16: decode steps of up to 4 rows read a plain copy of "
+                             "the linear weights with a native kernel, faster than oneDNN there; auto (default) keeps "
+                             "the copy when it takes at most 5%% of this machine's memory (docs/performance.md)")
     parser.add_argument("--kv-always-load", action=argparse.BooleanOptionalAction, default=True,
                         help="load every KV store hit (the default); --no-kv-always-load loads a hit only as far "
                              "as this instance's measured tier rates and prefill rate say loading beats "
@@ -91,7 +95,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager, max_capture_size=args.max_capture_size,
                 kv_chunk_tokens=args.kv_chunk_tokens, kv_store_ttl_s=args.kv_store_ttl_s,
-                kv_always_load=args.kv_always_load,
+                kv_always_load=args.kv_always_load, small_rows_linear=args.small_rows_linear,
                 kv_secret_file=args.kv_secret_file, cpu_cores=args.cpu_cores, num_threads=args.num_threads)
 
 

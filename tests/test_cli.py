@@ -42,14 +42,15 @@ def test_serve_help_documents_every_flag():
     for flag in ["--block-size", "--kv-cache-memory", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
                  "--max-model-len", "--dtype", "--seed", "--served-model-name", "--api-key", "--max-queue-len",
                  "--role", "--kv-port", "--kv-transfer-config", "--kv-load-failure-policy", "--kv-store",
-                 "--kv-chunk-tokens", "--kv-store-ttl-s", "--kv-always-load"]:
+                 "--kv-chunk-tokens", "--kv-store-ttl-s", "--kv-always-load", "--small-rows-linear"]:
         assert flag in out, flag
 
 
 @pytest.mark.parametrize("flags", [
     [],  # `make serve`: engine disagg with every default
     ["--no-kv-always-load", "--no-enable-prefix-caching", "--enforce-eager", "--dtype", "float32",
-     "--kv-store", "cpu:1GiB", "--max-num-seqs", "7", "--seed", "3", "--kv-chunk-tokens", "64"],
+     "--kv-store", "cpu:1GiB", "--max-num-seqs", "7", "--seed", "3", "--kv-chunk-tokens", "64",
+     "--small-rows-linear", "off"],
 ], ids=["defaults", "non-defaults"])
 def test_engine_disagg_hands_its_instances_the_engine_flags_it_was_given(monkeypatch, flags):
     """Each instance's `engine serve` must read what `engine disagg` read: a flag handed on in a

@@ -432,6 +432,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
   });
 }
 
+#include "small_rows_linear.h"  // small_rows_linear: bf16 steps of a few rows
 #include "decoder.h"  // decoder_layers: the ops above, a whole decoder at a time
 
 }  // namespace
@@ -447,7 +448,9 @@ TORCH_LIBRARY(ENGINE_OPS_NS, m) {
   m.def("act_and_mul(Tensor(a!) out, Tensor input, int act) -> ()");
   m.def("rope(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor input, Tensor weight, int type) -> ()");
-  m.def("decoder_layers(Tensor x, Tensor(a!) residual, Tensor[] weights, int[] kinds, int[] windows, Tensor cos, "
+  m.def("small_rows_linear(Tensor(a!) out, Tensor input, Tensor weight) -> ()");
+  m.def("decoder_layers(Tensor x, Tensor(a!) residual, Tensor[] weights, int[] kinds, Tensor[] small_weights, "
+        "int[] windows, Tensor cos, "
         "Tensor sin, Tensor(b!) kv_caches, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, int act) -> Tensor");
 }
@@ -460,6 +463,7 @@ TORCH_LIBRARY_IMPL(ENGINE_OPS_NS, CPU, m) {
   m.impl("act_and_mul", &engine_cpu::act_and_mul);
   m.impl("rope", &engine_cpu::rope);
   m.impl("quant_linear", &engine_cpu::quant_linear);
+  m.impl("small_rows_linear", &engine_cpu::small_rows_linear);
   m.impl("decoder_layers", &engine_cpu::decoder_layers);
 }
 

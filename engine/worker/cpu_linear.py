@@ -6,11 +6,19 @@ Results agree to float rounding (~1e-6 relative), like any other GEMM blocking. 
 packed wherever oneDNN supports it (AVX-512 and up; native kernels with AVX512-BF16 or AMX):
 measured on AMX, 1.3-2x faster than torch's bf16 matmul for up to a few dozen rows (decode
 batches), on par above, +4-13% end to end.
+
+Steps of up to SMALL_ROWS rows (a few streams decoding) in bfloat16 on a CPU with AVX512-BF16
+can instead read a plain copy of the weight with the native small_rows_linear kernel
+(csrc/cpu/small_rows_linear.h): such steps are bound by reading the weights, which oneDNN's
+packed GEMM does at about half the machine's rate. The copy costs the weight's size again, so
+the model runner keeps it only where it is allowed to (EngineConfig.small_rows_linear).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+SMALL_ROWS = 4  # csrc/cpu/small_rows_linear.h: kSmallRows
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -23,21 +31,40 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """y = x @ W.T + b with W kept only in oneDNN's reordered layout (inference only)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, small_rows_ops=None) -> None:
+        """small_rows_ops: the native kernels (torch.ops.engine_avx512) when steps of up to
+        SMALL_ROWS rows read a plain copy of the weight with small_rows_linear (bfloat16, no
+        bias); the copy is the module's weight tensor itself (shared with a tied embedding)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().contiguous()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.small_rows_ops = small_rows_ops if self.bias is None and weight.dtype == torch.bfloat16 else None
+        self.small_weight = weight if self.small_rows_ops is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.stride(-1) == 1:
+            out = x.new_empty(x.shape[0], self.out_features)
+            self.small_rows_ops.small_rows_linear(out, x, self.small_weight)
+            return out
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_linears(module: nn.Module) -> None:
-    """Replace every nn.Linear below `module` with a PackedLinear, in place."""
+def pack_linears(module: nn.Module, small_rows_ops=None) -> None:
+    """Replace every nn.Linear below `module` with a PackedLinear, in place (see PackedLinear
+    for small_rows_ops)."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(child, small_rows_ops))
         else:
-            pack_linears(child)
+            pack_linears(child, small_rows_ops)
+
+
+def small_rows_weight_bytes(module: nn.Module) -> int:
+    """Bytes a plain copy of every bias-free bfloat16 nn.Linear weight below `module` would add
+    (a weight that is also another module's parameter, a tied embedding, adds none)."""
+    linear_weights = {id(m.weight): m.weight for m in module.modules()
+                      if isinstance(m, nn.Linear) and m.bias is None and m.weight.dtype == torch.bfloat16}
+    others = {id(p) for m in module.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    return sum(w.numel() * w.element_size() for key, w in linear_weights.items() if key not in others)

@@ -67,12 +67,18 @@ class FusedDecoder:
         self.k = kernels.ops.k
         self.weights: list[torch.Tensor] = []
         self.kinds: list[int] = []
+        small: list[torch.Tensor | None] = []  # each linear's small-rows weight (PackedLinear), or None
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            small += [getattr(m, "small_weight", None) for m in modules]
+            linears = [_linear(m) for m in modules]
             self.weights += [layer.input_layernorm.weight, linears[0][0], linears[1][0],
                              layer.post_attention_layernorm.weight, linears[2][0], linears[3][0]]
             self.kinds += [kind for _, kind in linears]
+        # decoder_layers takes all of them or none: the model runner keeps them model-wide.
+        self.small_weights = small if all(w is not None for w in small) else []
+        assert self.small_weights or not any(w is not None for w in small), "small-rows weights on some linears only"
         self.windows = [layer.self_attn.window or 0 for layer in model.layers]
         self.first_norm = model.layers[0].input_layernorm
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -86,7 +92,7 @@ class FusedDecoder:
         x, residual = self.first_norm.add_norm(h, None)
         cos, signed_sin = rope["global"]
         meta = next(iter(metas.values()))  # the windows' metadata differ only in their window
-        out = self.k.decoder_layers(x, residual, self.weights, self.kinds, self.windows,
+        out = self.k.decoder_layers(x, residual, self.weights, self.kinds, self.small_weights, self.windows,
                                     cos.view(cos.shape[0], -1), signed_sin.view(cos.shape[0], -1), kv_caches,
                                     meta.slot_mapping, meta.block_table, meta.query_start, meta.seq_lens,
                                     self.num_heads, self.num_kv_heads, self.eps, self.scale, self.act)

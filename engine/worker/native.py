@@ -89,6 +89,11 @@ def ops():
     return load(isa)
 
 
+def small_rows_linear_supported() -> bool:
+    """Whether small_rows_linear runs here: the avx512 build on a CPU with AVX512-BF16."""
+    return _select()[0] == "avx512" and "avx512_bf16" in cpu_flags()
+
+
 def unavailable_reason() -> str | None:
     return _select()[1] or None
 
