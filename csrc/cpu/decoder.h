@@ -10,8 +10,9 @@
 // Per layer, six weights: input norm, qkv, o, post-attention norm, gate_up, down; four linear
 // kinds (a GGML block type for quant_linear; kOneDnnLinear: oneDNN's packed linear, as
 // engine/worker/cpu_linear.py's PackedLinear calls it; kTorchLinear: at::linear, as nn.Linear);
-// one sliding window (0: none). small_weights: empty, or per layer the four linears' plain bf16
-// weights, which steps of up to kSmallRows rows read (small_rows_linear.h) instead of oneDNN's.
+// one sliding window (0: none). small_weights: empty, or per layer four tensors: a linear's plain
+// bf16 weight, which steps of up to kSmallRows rows read (small_rows_linear.h) instead of its own
+// kind, or an empty tensor where it has none (a quantized linear beside dequantized ones).
 constexpr int64_t kOneDnnLinear = -1, kTorchLinear = -2;
 constexpr int kLayerWeights = 6, kLayerLinears = 4;
 constexpr int kLinearSlot[kLayerLinears] = {1, 2, 4, 5};  // the linears' places among a layer's weights
@@ -26,7 +27,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed_weight) {
 }
 
 at::Tensor run_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kind, const at::Tensor* small_weight) {
-  if (small_weight != nullptr && x.size(0) <= kSmallRows) {
+  if (small_weight != nullptr && small_weight->numel() > 0 && x.size(0) <= kSmallRows) {
     at::Tensor out = at::empty({x.size(0), small_weight->size(0)}, x.options());
     small_rows_linear(out, x, *small_weight);
     return out;
@@ -49,7 +50,7 @@ at::Tensor decoder_layers(const at::Tensor& x, at::Tensor& residual, at::TensorL
   TORCH_CHECK(int64_t(weights.size()) == kLayerWeights * layers && int64_t(kinds.size()) == kLayerLinears * layers,
               "decoder_layers: ", kLayerWeights, " weights and ", kLayerLinears, " linear kinds per layer");
   TORCH_CHECK(small_weights.empty() || int64_t(small_weights.size()) == kLayerLinears * layers,
-              "decoder_layers: no small-row weights or ", kLayerLinears, " per layer");
+              "decoder_layers: no small-row weights or ", kLayerLinears, " per layer (empty where none)");
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == layers && kv_caches.size(1) == 2,
               "kv_caches must be [layers, 2, blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0, "decoder_layers: no heads");

@@ -3,8 +3,8 @@
 //
 // Such a step is bound by reading the weights once. oneDNN's packed GEMM reads them at 19-27 GB/s
 // at one row on a 2-core Zen 4 VM (43 GB/s to read memory); this kernel streams 4 weight rows at
-// a time, each with its own VDPBF16PS chain per row of x, and prefetches 8 rows ahead: 28-31 GB/s
-// over a whole model's weights (docs/performance.md).
+// a time, each with its own VDPBF16PS chain per row of x, and prefetches 8 rows ahead: 26-29 GB/s
+// over a whole model's weights at 1-4 rows, 1.3-1.6x oneDNN's rate (docs/performance.md).
 //
 // Invariant: an output element is one chain over its weight row, 32 products per step in K order,
 // summed in float32 and rounded to bfloat16 once, whatever the row count (up to kSmallRows), the
@@ -41,8 +41,11 @@ ENGINE_TARGET_BF16 void small_rows_dot(float* out, int64_t out_stride, const bf1
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     const bf16_t* rows = w + n * k;
-    const char* ahead = reinterpret_cast<const char*>(rows + kPrefetchRows * k);
-    for (int64_t b = 0; b < NB * k * int64_t(sizeof(bf16_t)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    // The rows kPrefetchRows ahead, within this call's rows (a pointer past them is not formed).
+    const int64_t ahead_row = std::min<int64_t>(n + kPrefetchRows, n1 - 1);
+    const char* ahead = reinterpret_cast<const char*>(w + ahead_row * k);
+    const int64_t ahead_bytes = std::min<int64_t>(NB, n1 - ahead_row) * k * int64_t(sizeof(bf16_t));
+    for (int64_t b = 0; b < ahead_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     __m512 acc[NB][R];
     UNROLL for (int i = 0; i < NB; ++i) UNROLL for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
     for (int64_t j = 0; j < full; j += 32) small_rows_step<R, NB>(acc, x, x_stride, rows, k, j, __mmask32(~0u));
@@ -57,7 +60,8 @@ ENGINE_TARGET_BF16 void small_rows_dot(float* out, int64_t out_stride, const bf1
 #endif
 
 // out [M, N] = input [M, K] @ weight [N, K]^T, all bfloat16, M <= kSmallRows; needs AVX512-BF16
-// (engine/worker/cpu_linear.py asks native.small_rows_linear_available() first).
+// (the model runner asks native.small_rows_linear_supported() first). Like oneDNN's, its
+// float32 sums flush subnormals to zero (DAZ/FTZ).
 void small_rows_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight) {
   check_cpu(input, "input", at::kBFloat16);
   check_cpu(out, "out", at::kBFloat16);
@@ -77,8 +81,9 @@ void small_rows_linear(at::Tensor& out, const at::Tensor& input, const at::Tenso
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
     const int64_t cols = n1 - n0, padded = (cols + W - 1) / W * W;
     std::vector<float> tile(m * padded, 0.0f);
-    // 4 weight rows per pass at any row count: measured over a whole model's weights, the
-    // more rows in flight the better up to 4 (2 rows of x: 31 GB/s with 4 weight rows, 24 with 2).
+    // 4 weight rows per pass at any row count: measured over a whole model's weights, the more
+    // rows in flight the better up to 4 (2 rows of x: 8.7 ms a pass with 4 weight rows, 11.1
+    // with 2, 9.9 with 1; 1 row of x: 4 weight rows 9.4 ms, 8 rows 10.4).
     auto dot = [&](auto rows) {
       small_rows_dot<decltype(rows)::value, 4>(tile.data(), padded, x, input.stride(0), k, w, n0, n1);
     };

@@ -10,8 +10,10 @@ batches), on par above, +4-13% end to end.
 Steps of up to SMALL_ROWS rows (a few streams decoding) in bfloat16 on a CPU with AVX512-BF16
 can instead read a plain copy of the weight with the native small_rows_linear kernel
 (csrc/cpu/small_rows_linear.h): such steps are bound by reading the weights, which oneDNN's
-packed GEMM does at about half the machine's rate. The copy costs the weight's size again, so
-the model runner keeps it only where it is allowed to (EngineConfig.small_rows_linear).
+packed GEMM does at about half the machine's rate. The copy costs the weight's size again, and
+a row's bits then depend on whether its step had up to SMALL_ROWS rows (oneDNN's rows, measured
+on SmolLM2's shapes, do not depend on the step), so it is kept only when asked for
+(EngineConfig.small_rows_linear).
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ class PackedLinear(nn.Module):
         self.small_weight = weight if self.small_rows_ops is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.stride(-1) == 1:
+        if (self.small_weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.stride(-1) == 1
+                and x.dtype == torch.bfloat16):
             out = x.new_empty(x.shape[0], self.out_features)
             self.small_rows_ops.small_rows_linear(out, x, self.small_weight)
             return out
@@ -61,10 +64,12 @@ def pack_linears(module: nn.Module, small_rows_ops=None) -> None:
             pack_linears(child, small_rows_ops)
 
 
-def small_rows_weight_bytes(module: nn.Module) -> int:
-    """Bytes a plain copy of every bias-free bfloat16 nn.Linear weight below `module` would add
-    (a weight that is also another module's parameter, a tied embedding, adds none)."""
-    linear_weights = {id(m.weight): m.weight for m in module.modules()
-                      if isinstance(m, nn.Linear) and m.bias is None and m.weight.dtype == torch.bfloat16}
+def small_rows_candidates(module: nn.Module) -> tuple[int, int]:
+    """(how many nn.Linear below `module` could take the small-rows kernel: bias-free, bfloat16;
+    the bytes their plain copies add). A weight that is also another module's parameter (a tied
+    embedding) adds none."""
+    linears = [m for m in module.modules()
+               if isinstance(m, nn.Linear) and m.bias is None and m.weight.dtype == torch.bfloat16]
     others = {id(p) for m in module.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
-    return sum(w.numel() * w.element_size() for key, w in linear_weights.items() if key not in others)
+    distinct = {id(m.weight): m.weight for m in linears if id(m.weight) not in others}
+    return len(linears), sum(w.numel() * w.element_size() for w in distinct.values())

@@ -24,6 +24,7 @@ logger = logging.getLogger("engine.worker")
 # decoder.h's linear kinds besides a GGML block type (QuantLinear's): a PackedLinear's oneDNN
 # weight, and an nn.Linear's (where oneDNN does not pack this dtype).
 ONEDNN, TORCH = -1, -2
+_NO_WEIGHT = torch.empty(0)  # decoder_layers' small_weights entry of a linear without one
 
 
 def _linear(module: nn.Module) -> tuple[torch.Tensor, int] | None:
@@ -67,18 +68,18 @@ class FusedDecoder:
         self.k = kernels.ops.k
         self.weights: list[torch.Tensor] = []
         self.kinds: list[int] = []
-        small: list[torch.Tensor | None] = []  # each linear's small-rows weight (PackedLinear), or None
+        # Each linear's small-rows weight (PackedLinear.small_weight), or an empty tensor where it
+        # has none (a quantized linear beside dequantized ones in one .gguf).
+        small: list[torch.Tensor] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            small += [getattr(m, "small_weight", None) for m in modules]
+            small += [w if (w := getattr(m, "small_weight", None)) is not None else _NO_WEIGHT for m in modules]
             linears = [_linear(m) for m in modules]
             self.weights += [layer.input_layernorm.weight, linears[0][0], linears[1][0],
                              layer.post_attention_layernorm.weight, linears[2][0], linears[3][0]]
             self.kinds += [kind for _, kind in linears]
-        # decoder_layers takes all of them or none: the model runner keeps them model-wide.
-        self.small_weights = small if all(w is not None for w in small) else []
-        assert self.small_weights or not any(w is not None for w in small), "small-rows weights on some linears only"
+        self.small_weights = small if any(w.numel() for w in small) else []
         self.windows = [layer.self_attn.window or 0 for layer in model.layers]
         self.first_norm = model.layers[0].input_layernorm
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -103,6 +104,10 @@ def fuse(model: nn.Module, kernels) -> FusedDecoder | None:
     """The model's layers as one native call, or None (with the reason in the log) where the
     module loop must run them."""
     if not hasattr(kernels.ops, "k") or not hasattr(kernels.ops.k, "decoder_layers"):
+        return None
+    if not hasattr(kernels.ops.k, "small_rows_linear"):  # came with decoder_layers' current schema
+        logger.warning("decoder layers run one module at a time: the native build predates this engine's "
+                       "decoder_layers (pip install --no-build-isolation -e .)")
         return None
     why = _why_not(model, kernels)
     if why is not None:

@@ -21,7 +21,7 @@ from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker import fused_decoder, loader, native
 from engine.worker.backends import select_kernels
-from engine.worker.cpu_linear import SMALL_ROWS, onednn_available, pack_linears, small_rows_weight_bytes
+from engine.worker.cpu_linear import SMALL_ROWS, onednn_available, pack_linears, small_rows_candidates
 from engine.worker.cuda_graphs import DecodeGraphs, why_not_captured
 from engine.worker.input_batch import InputBatch, RowState
 from engine.worker.models import ModelConfig, model_class
@@ -122,8 +122,9 @@ class ModelRunner:
             widen_modules(model, self.dtype)
         else:
             pack_modules(model)
+        small_rows_ops = self._small_rows_ops(model)
         if onednn_available(self.device, self.dtype):
-            pack_linears(model, self._small_rows_ops(model))
+            pack_linears(model, small_rows_ops)
         model.fused = fused_decoder.fuse(model, self.kernels)
         self.model = model.eval()
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir.name, self.dtype, self.device,
@@ -190,30 +191,23 @@ class ModelRunner:
         return ops
 
     def _small_rows_ops(self, model: torch.nn.Module):
-        """The native kernels when decode steps of up to SMALL_ROWS rows read plain copies of the
-        linear weights (EngineConfig.small_rows_linear), else None; the choice is logged."""
-        choice = self.config.small_rows_linear
-        if choice == "on" and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
-            logger.warning("small_rows_linear=on applies to bfloat16 on the CPU; this model runs in %s on %s",
+        """The native kernels when steps of up to SMALL_ROWS rows read plain copies of the linear
+        weights (EngineConfig.small_rows_linear), else None; what was done is logged."""
+        if not self.config.small_rows_linear:
+            return None
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not onednn_available(self.device, self.dtype):
+            logger.warning("small_rows_linear applies to bfloat16 on a CPU with oneDNN; this model runs in %s on %s",
                            self.dtype, self.device)
-        if choice == "off" or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return None
         ops = native.ops()
         if ops is None or not hasattr(ops, "small_rows_linear") or not native.small_rows_linear_supported():
-            if choice == "on":
-                logger.warning("small_rows_linear=on: the kernel needs the avx512 build on a CPU with AVX512-BF16 "
-                               "(%s); oneDNN runs every step", native.unavailable_reason() or "this CPU has none")
+            logger.warning("small_rows_linear: the kernel needs the avx512 build on a CPU with AVX512-BF16 (%s); "
+                           "oneDNN runs every step", native.unavailable_reason() or "this CPU has none")
             return None
-        extra = small_rows_weight_bytes(model)
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if choice == "auto" and extra > 0.05 * memory:
-            logger.info("decode steps of up to %d rows run on oneDNN: a plain copy of the linear weights would take "
-                        "%.0f MiB, over 5%% of this machine's memory (small_rows_linear='on' keeps it)",
-                        SMALL_ROWS, extra / 2**20)
-            return None
-        logger.info("decode steps of up to %d rows read a plain copy of the linear weights (+%.0f MiB)", SMALL_ROWS,
+        linears, extra = small_rows_candidates(model)
+        logger.info("steps of up to %d rows read a plain copy of %d linear weights (+%.0f MiB)", SMALL_ROWS, linears,
                     extra / 2**20)
-        return ops
+        return ops if linears else None
 
     @property
     def bytes_per_block(self) -> int:
