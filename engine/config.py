@@ -174,7 +174,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | triton | cpu | torch | flash_attn | xformers
     # Steps of up to 4 rows of a bfloat16 model (a few streams decoding) read a plain copy of the
     # linear weights with a native kernel, on CPUs with AVX512-BF16 (engine/worker/cpu_linear.py):
-    # faster there than oneDNN, whose rows then differ in their last bits from those of larger
+    # faster there than oneDNN; its rows then differ in their last bits from those of larger
     # steps (outputs may change with batching at near-ties). Off by default.
     small_rows_linear: bool = False
     # The share of the GPU's memory this instance may hold in all: weights, activations, CUDA

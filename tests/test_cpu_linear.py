@@ -33,3 +33,20 @@ def test_pack_linears_replaces_every_linear_in_place():
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 2
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536)])  # SmolLM2's qkv, gate_up, down
+def test_a_packed_row_has_the_same_bits_in_any_step(dtype, shape):
+    """What the equality suites rest on (outputs do not change with batching, preemption or prefix
+    hits: tests/stress, test_consistency): oneDNN's rows do not depend on how many rows share the
+    step. Measured so for bf16 too on SmolLM2's shapes; --small-rows-linear gives that up."""
+    if not onednn_available(CPU, dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
+    g = torch.Generator().manual_seed(0)
+    n, k = shape
+    linear = PackedLinear(nn.Linear(k, n, bias=False).to(dtype))
+    x = torch.randn(2048, k, generator=g).to(dtype)
+    whole = linear(x)
+    for rows in (1, 4, 5, 64, 300):
+        assert torch.equal(linear(x[:rows]), whole[:rows]), rows

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine import LLM
 from engine.worker import native
 from engine.worker.attention import StepAttention
-from engine.worker.fused_decoder import FusedDecoder
+from engine.worker.fused_decoder import FusedDecoder, fuse
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.skipif(native.ops() is None, reason=f"no native kernels: {native.unavailable_reason()}")
@@ -22,6 +22,9 @@ pytestmark = pytest.mark.skipif(native.ops() is None, reason=f"no native kernels
 CASES = {
     "llama-float32-dense": ("llama", dict(tie_word_embeddings=True), "float32", None),
     "llama-bfloat16-dense": ("llama", dict(tie_word_embeddings=True), "bfloat16", None),
+    # SmolLM2's widths in fp32: oneDNN computes a step of one row its own way at K = 1536.
+    "llama-float32-dense-wide": ("llama", dict(tie_word_embeddings=True, hidden_size=576, intermediate_size=1536,
+                                               num_attention_heads=9, num_key_value_heads=3), "float32", None),
     # SmolLM2's widths, with --small-rows-linear where this CPU runs it: long enough dot products
     # that the small-rows kernel's sums and oneDNN's round to different bf16 (steps of up to 4
     # rows take the former, both ways alike).
@@ -60,6 +63,7 @@ def mixed_steps(draw):
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(step=mixed_steps(), seed=st.integers(0, 2**32 - 1))
 @example(step=[(1, 5), (1, 30), (1, 0)], seed=0)  # three decodes: a step of few rows
+@example(step=[(1, 40)], seed=1)  # one decode: a step of one row
 def test_one_native_call_gives_the_module_loops_bits(runners, case, step, seed):
     runner = runners(case)
     assert runner.model.fused is not None, f"{case} should run its layers in one native call"
@@ -75,17 +79,31 @@ def test_a_linear_without_a_small_rows_weight_keeps_its_own_kind(runners):
         pytest.skip("this CPU runs no small-rows kernel")
     o_proj = model.layers[0].self_attn.o_proj
     kept = o_proj.small_weight
+    steps = ([(1, 5)], [(1, 5), (1, 30), (1, 0)], [(12, 3)])
     try:
         o_proj.small_weight = None
         model.fused = FusedDecoder(model, runner.kernels)
         assert model.fused.small_weights[1].numel() == 0 and model.fused.small_weights[0].numel() > 0
-        for seed, step in enumerate(([(1, 5)], [(1, 5), (1, 30), (1, 0)], [(12, 3)])):
+        for seed, step in enumerate(steps):
             assert_same_bits(runner, step, seed)
+        # The steps can tell the kernels apart: without any small-rows weight the native call
+        # gives other bits than the module loop, which still has them on the other linears.
+        model.fused.small_weights = []
+        assert any(not torch.equal(*both_ways(runner, step, seed)[0]) for seed, step in enumerate(steps[:2]))
     finally:
         o_proj.small_weight, model.fused = kept, fused
 
 
 def assert_same_bits(runner, step, seed):
+    (hidden_loop, hidden_fused), (kv_loop, kv_fused) = both_ways(runner, step, seed)
+    assert torch.isfinite(hidden_loop.float()).all()
+    assert torch.equal(hidden_fused, hidden_loop)
+    assert torch.equal(kv_fused, kv_loop)
+
+
+def both_ways(runner, step, seed):
+    """((hidden states, as the module loop, then the native call gives them), (their KV caches))
+    of one generated step."""
     model = runner.model
     rng = np.random.default_rng(seed)
     bs, num_blocks = runner.block_size, runner.num_blocks
@@ -112,9 +130,7 @@ def assert_same_bits(runner, step, seed):
         model.fused = fused
     hidden_loop, kv_loop = results["loop"]
     hidden_fused, kv_fused = results["fused"]
-    assert torch.isfinite(hidden_loop.float()).all()
-    assert torch.equal(hidden_fused, hidden_loop)
-    assert torch.equal(kv_fused, kv_loop)
+    return (hidden_loop, hidden_fused), (kv_loop, kv_fused)
 
 
 @pytest.mark.parametrize("family,overrides,why", [
@@ -129,6 +145,19 @@ def test_layers_it_cannot_compute_keep_the_module_loop(family, overrides, why, t
         llm = LLM(str(model_dir), dtype="float32", num_blocks=16)
     assert llm.engine.core.runner.model.fused is None
     assert why in caplog.text
+
+
+def test_a_native_build_older_than_decoder_layers_schema_keeps_the_module_loop(runners, caplog):
+    """A build from before small_rows_linear has decoder_layers without small_weights: every
+    step would fail on its schema; the module loop runs instead and the log says why."""
+    runner = runners("llama-float32-dense")
+
+    class OldBuild:
+        decoder_layers = object()
+    kernels = type("Kernels", (), {"ops": type("Ops", (), {"k": OldBuild()})()})()
+    with caplog.at_level("WARNING", logger="engine.worker"):
+        assert fuse(runner.model, kernels) is None
+    assert "predates" in caplog.text
 
 
 def test_the_torch_attention_backend_keeps_the_module_loop(tiny_llama):

@@ -9,21 +9,28 @@
 
 // Per layer, six weights: input norm, qkv, o, post-attention norm, gate_up, down; four linear
 // kinds (a GGML block type for quant_linear; kOneDnnLinear: oneDNN's packed linear, as
-// engine/worker/cpu_linear.py's PackedLinear calls it; kTorchLinear: at::linear, as nn.Linear);
+// engine/worker/cpu_linear.py's PackedLinear calls it, kOneDnnPairedLinear the same with a single
+// row computed as two; kTorchLinear: at::linear, as nn.Linear);
 // one sliding window (0: none). small_weights: empty, or per layer four tensors: a linear's plain
 // bf16 weight, which steps of up to kSmallRows rows read (small_rows_linear.h) instead of its own
 // kind, or an empty tensor where it has none (a quantized linear beside dequantized ones).
-constexpr int64_t kOneDnnLinear = -1, kTorchLinear = -2;
+constexpr int64_t kOneDnnLinear = -1, kTorchLinear = -2, kOneDnnPairedLinear = -3;
 constexpr int kLayerWeights = 6, kLayerLinears = 4;
 constexpr int kLinearSlot[kLayerLinears] = {1, 2, 4, 5};  // the linears' places among a layer's weights
 
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed_weight) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed_weight, bool pair_single_rows) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                                c10::string_view, c10::List<std::optional<at::Scalar>>,
                                                std::optional<c10::string_view>)>();
-  return op.call(x, packed_weight, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  const auto none = c10::List<std::optional<at::Scalar>>();
+  // A single row as two (itself twice) where oneDNN's one-row path gives other bits than the row
+  // in a larger step (engine/worker/cpu_linear.py: single_row_differs).
+  if (pair_single_rows && x.size(0) == 1)
+    return op.call(x.expand({2, x.size(1)}).contiguous(), packed_weight, std::nullopt, "none", none, std::nullopt)
+        .narrow(0, 0, 1);
+  return op.call(x, packed_weight, std::nullopt, "none", none, std::nullopt);
 }
 
 at::Tensor run_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kind, const at::Tensor* small_weight) {
@@ -32,7 +39,7 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kin
     small_rows_linear(out, x, *small_weight);
     return out;
   }
-  if (kind == kOneDnnLinear) return onednn_linear(x, weight);
+  if (kind == kOneDnnLinear || kind == kOneDnnPairedLinear) return onednn_linear(x, weight, kind == kOneDnnPairedLinear);
   if (kind == kTorchLinear) return at::linear(x, weight);
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
   quant_linear(out, x, weight, kind);

@@ -1,8 +1,8 @@
 // bfloat16 linear layers for steps of one to kSmallRows rows (the decode steps of a few streams),
 // read straight from the weight's plain [N, K] rows: y = x W^T.
 //
-// Such a step is bound by reading the weights once. oneDNN's packed GEMM reads them at 19-27 GB/s
-// at one row on a 2-core Zen 4 VM (43 GB/s to read memory); this kernel streams 4 weight rows at
+// Such a step is bound by reading the weights once. oneDNN's packed GEMM reads them at 18-20 GB/s
+// at 1-4 rows on a 2-core Zen 4 VM (43 GB/s to read memory); this kernel streams 4 weight rows at
 // a time, each with its own VDPBF16PS chain per row of x, and prefetches 8 rows ahead: 26-29 GB/s
 // over a whole model's weights at 1-4 rows, 1.3-1.6x oneDNN's rate (docs/performance.md).
 //

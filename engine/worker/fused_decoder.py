@@ -23,8 +23,8 @@ logger = logging.getLogger("engine.worker")
 
 # decoder.h's linear kinds besides a GGML block type (QuantLinear's): a PackedLinear's oneDNN
 # weight, and an nn.Linear's (where oneDNN does not pack this dtype).
-ONEDNN, TORCH = -1, -2
-_NO_WEIGHT = torch.empty(0)  # decoder_layers' small_weights entry of a linear without one
+ONEDNN, TORCH, ONEDNN_PAIRED = -1, -2, -3  # ONEDNN_PAIRED: a single row computed as two (cpu_linear.py)
+_NO_WEIGHT = torch.empty(0, dtype=torch.bfloat16)  # decoder_layers' small_weights entry of a linear without one
 
 
 def _linear(module: nn.Module) -> tuple[torch.Tensor, int] | None:
@@ -35,7 +35,7 @@ def _linear(module: nn.Module) -> tuple[torch.Tensor, int] | None:
     if isinstance(module, QuantLinear):
         return module.weight, module.qtype
     if isinstance(module, PackedLinear):
-        return module.packed_weight, ONEDNN
+        return module.packed_weight, ONEDNN_PAIRED if module.pair_single_rows else ONEDNN
     if type(module) is nn.Linear:
         return module.weight, TORCH
     return None

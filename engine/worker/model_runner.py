@@ -205,9 +205,12 @@ class ModelRunner:
                            "oneDNN runs every step", native.unavailable_reason() or "this CPU has none")
             return None
         linears, extra = small_rows_candidates(model)
+        if not linears:
+            logger.info("small_rows_linear: no linear layer can take it (all quantized or with a bias)")
+            return None
         logger.info("steps of up to %d rows read a plain copy of %d linear weights (+%.0f MiB)", SMALL_ROWS, linears,
                     extra / 2**20)
-        return ops if linears else None
+        return ops
 
     @property
     def bytes_per_block(self) -> int:
