@@ -99,6 +99,8 @@ def main() -> None:
         for r in range(args.rounds):
             for w in args.workload:
                 for side in (sides if r % 2 == 0 else sides[::-1]):
+                    for other in sides:  # only the measured side runs
+                        other.resume() if other is side else other.pause()
                     out = side.request({"workload": w, "seed": r})
                     rate = sum(len(t) for t in out["tokens"]) / out["seconds"]
                     best[side.name, w] = max(best[side.name, w], rate)

@@ -3,14 +3,19 @@ line, then answers each JSON line sent on stdin with one JSON line on stdout (ot
 a library's chatter, are skipped). benchmarks/peer_worker.py and gguf_peer_worker.py speak it."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 
 
 class WorkerProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        # Its own process group: pause() stops its children too (vLLM's engine core process).
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True)
         self.info = self._answer()  # the ready line
         assert self.info.get("ready"), self.info
 
@@ -27,7 +32,18 @@ class WorkerProcess:
         self.proc.stdin.flush()
         return self._answer()
 
+    def pause(self) -> None:
+        """Stop every process of this side (SIGSTOP) while another is measured, so nothing of it
+        (a polling thread, a spinning OpenMP team) takes the measured side's cores."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
