@@ -17,8 +17,6 @@ on SmolLM2's shapes, do not depend on the step), so it is kept only when asked f
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -46,7 +44,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.small_rows_ops = small_rows_ops if self.bias is None and weight.dtype == torch.bfloat16 else None
         self.small_weight = weight if self.small_rows_ops is not None else None
-        self.pair_single_rows = single_row_differs(self.out_features, self.in_features, weight.dtype)
+        self.pair_single_rows = single_row_differs(self.packed_weight, self.out_features, self.in_features,
+                                                   weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.small_weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.stride(-1) == 1
@@ -60,25 +59,26 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-@functools.cache
-def single_row_differs(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+def single_row_differs(packed_weight: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     """Whether oneDNN computes a step of one row of this shape in other bits than the same row
     in a larger step. It takes another path for a single row, which on a 2-core Zen 4 VM changed
     most outputs of a 576 x 1536 fp32 layer (SmolLM2's down projection) in their last bit and left
     its 576-wide ones alone; a row's result must not depend on its step (outputs must not change
-    with batching). Probed once per shape and dtype on random rows; where it differs, a single
-    row is computed as two (itself twice: +20% on such a layer's time), here and in
-    csrc/cpu/decoder.h."""
-    g = torch.Generator().manual_seed(0)
-    weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_features, in_features, generator=g).to(dtype),
-                                                     None)
-    x = torch.randn(PROBE_ROWS, in_features, generator=g).to(dtype)
-    together = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    return any(not torch.equal(torch.ops.mkldnn._linear_pointwise(x[i:i + 1], weight, None, "none", [], ""),
-                               together[i:i + 1]) for i in range(PROBE_ROWS))
+    with batching). Probed once per shape and dtype (on the first such layer's weight, random
+    rows); where it differs, a single row is computed as two (itself twice: +20% on such a
+    layer's time), here and in csrc/cpu/decoder.h."""
+    key = (out_features, in_features, dtype)
+    if key not in _SINGLE_ROW_DIFFERS:
+        x = torch.randn(PROBE_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+        together = torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+        _SINGLE_ROW_DIFFERS[key] = any(
+            not torch.equal(torch.ops.mkldnn._linear_pointwise(x[i:i + 1], packed_weight, None, "none", [], ""),
+                            together[i:i + 1]) for i in range(PROBE_ROWS))
+    return _SINGLE_ROW_DIFFERS[key]
 
 
 PROBE_ROWS = 32
+_SINGLE_ROW_DIFFERS: dict[tuple[int, int, torch.dtype], bool] = {}
 
 
 def pack_linears(module: nn.Module, small_rows_ops=None) -> None:

@@ -195,7 +195,7 @@ class ModelRunner:
         weights (EngineConfig.small_rows_linear), else None; what was done is logged."""
         if not self.config.small_rows_linear:
             return None
-        if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not onednn_available(self.device, self.dtype):
+        if self.dtype != torch.bfloat16 or not onednn_available(self.device, self.dtype):  # CPU only
             logger.warning("small_rows_linear applies to bfloat16 on a CPU with oneDNN; this model runs in %s on %s",
                            self.dtype, self.device)
             return None
